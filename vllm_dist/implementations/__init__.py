@@ -1,0 +1,1 @@
+"""Built-in backends. Loaded lazily through ``vllm_dist.registry``; never imported by tasks."""

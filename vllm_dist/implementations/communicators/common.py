@@ -1,0 +1,71 @@
+"""Checks every communicator makes before a backend sees a tensor, and device defaults."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm_dist.interfaces import WorkerCoordinator
+
+
+def default_device(
+    coordinator: WorkerCoordinator, device: torch.device | str | None
+) -> torch.device:
+    """``device`` as a torch.device; None means ``cuda:<local rank>`` with CUDA, else CPU."""
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", coordinator.get_local_rank() % max(1, _cuda_count()))
+        return dev
+    if _cuda_count() > 0:
+        return torch.device("cuda", coordinator.get_local_rank() % _cuda_count())
+    return torch.device("cpu")
+
+
+def _cuda_count() -> int:
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_tensor(tensor: torch.Tensor, device: torch.device, what: str = "tensor") -> None:
+    """Raise ``ValueError`` for a tensor on the wrong device or not contiguous."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device != device:
+        raise ValueError(
+            f"{what} is on {tensor.device} but this communicator moves {device} memory; "
+            f"move it with .to({str(device)!r})"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} is not contiguous; pass tensor.contiguous()")
+
+
+def check_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.dtype != b.dtype:
+        raise ValueError(f"{what}: dtype {b.dtype} does not match {a.dtype}")
+
+
+def gathered_shape(tensor: torch.Tensor, world_size: int) -> tuple[int, ...]:
+    if tensor.dim() == 0:
+        raise ValueError("all_gather needs a tensor with at least one dimension")
+    return (tensor.shape[0] * world_size, *tensor.shape[1:])
+
+
+def scattered_shape(tensor: torch.Tensor, world_size: int) -> tuple[int, ...]:
+    if tensor.dim() == 0 or tensor.shape[0] % world_size:
+        raise ValueError(
+            f"reduce_scatter needs dim 0 divisible by the world size {world_size}, "
+            f"got shape {tuple(tensor.shape)}"
+        )
+    return (tensor.shape[0] // world_size, *tensor.shape[1:])
+
+
+def check_out(
+    out: torch.Tensor, shape: tuple[int, ...], ref: torch.Tensor, device: torch.device
+) -> None:
+    check_tensor(out, device, "tensor_out")
+    check_same(ref, out, "tensor_out")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"tensor_out has shape {tuple(out.shape)}, expected {shape}")

@@ -1,0 +1,183 @@
+"""TorchDistributedCoordinator: the control plane on a torch.distributed gloo process group.
+
+The world coordinator joins (or, under torchrun, reuses) torch.distributed's default group;
+sub-groups are gloo groups made with ``use_local_synchronization=True`` so that only their members
+take part, which lets every group of a ``GroupCoordinatorDistributedTask`` build its own without the
+rest of the world. The default group is process-global in torch, which is why this coordinator
+never reads a rank from it: every rank here comes from the ``WorkerInfo`` it was given.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from vllm_dist.interfaces import CoordinatorTimeoutError, WorkerCoordinator, WorkerInfo
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class TorchDistributedCoordinator(WorkerCoordinator):
+    """A coordinator over the whole launch, or (via ``new_group``) over a subset of it.
+
+    Args:
+        worker_info: this worker's place in the launch.
+        timeout: seconds any collective may wait for a peer.
+    """
+
+    def __init__(self, worker_info: WorkerInfo, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self._info = worker_info
+        self._timeout = timeout
+        self._global_ranks = list(range(worker_info.world_size))
+        self._group: dist.ProcessGroup | None = None
+        self._owns_default_group = False
+        self._children: list[TorchDistributedCoordinator] = []
+        self._closed = False
+
+    # -- set-up ------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        if self._group is not None:
+            return
+        info = self._info
+        if dist.is_initialized():
+            if dist.get_world_size() != info.world_size or dist.get_rank() != info.rank:
+                raise RuntimeError(
+                    "torch.distributed is already initialized with rank "
+                    f"{dist.get_rank()}/{dist.get_world_size()}, but this worker is "
+                    f"{info.rank}/{info.world_size}; destroy the existing process group first"
+                )
+        else:
+            try:
+                dist.init_process_group(
+                    backend="gloo",
+                    init_method=f"tcp://{_host(info.master_addr)}:{info.master_port}",
+                    rank=info.rank,
+                    world_size=info.world_size,
+                    timeout=datetime.timedelta(seconds=self._timeout),
+                )
+            except (RuntimeError, dist.DistStoreError) as exc:
+                raise CoordinatorTimeoutError(
+                    f"rank {info.rank}: could not join the group at "
+                    f"{info.master_addr}:{info.master_port} within {self._timeout} s: {exc}"
+                ) from exc
+            self._owns_default_group = True
+        self._group = dist.group.WORLD
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The gloo group behind this coordinator (for backends built on torch.distributed)."""
+        return self._require_group()
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    # -- rank facts --------------------------------------------------------------------------
+    def get_rank(self) -> int:
+        return self._global_ranks.index(self._info.rank)
+
+    def get_world_size(self) -> int:
+        return len(self._global_ranks)
+
+    def get_local_rank(self) -> int:
+        return self._info.local_rank
+
+    def get_local_world_size(self) -> int:
+        return self._info.local_world_size
+
+    def get_global_ranks(self) -> list[int]:
+        return list(self._global_ranks)
+
+    # -- collectives -------------------------------------------------------------------------
+    def barrier(self, timeout: float | None = None) -> None:
+        group = self._require_group()
+        seconds = self._timeout if timeout is None else timeout
+        try:
+            dist.monitored_barrier(
+                group=group, timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True
+            )
+        except RuntimeError as exc:
+            raise CoordinatorTimeoutError(
+                f"barrier on group {self._global_ranks} did not complete within {seconds} s: {exc}"
+            ) from exc
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        self._check_rank(src, "src")
+        box = [obj if self.get_rank() == src else None]
+        dist.broadcast_object_list(box, group_src=src, group=self._require_group())
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.get_world_size()
+        dist.all_gather_object(out, obj, group=self._require_group())
+        return out
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        self._check_rank(dst, "dst", peer=True)
+        dist.send_object_list([obj], group_dst=dst, group=self._require_group())
+
+    def recv_object(self, src: int) -> Any:
+        self._check_rank(src, "src", peer=True)
+        box: list[Any] = [None]
+        dist.recv_object_list(box, group_src=src, group=self._require_group())
+        return box[0]
+
+    # -- groups ------------------------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int]) -> TorchDistributedCoordinator:
+        ranks = list(ranks)
+        self._require_group()
+        check_group_ranks(ranks, self.get_world_size(), self.get_rank())
+        global_ranks = [self._global_ranks[r] for r in ranks]
+        child = TorchDistributedCoordinator(self._info, timeout=self._timeout)
+        child._global_ranks = global_ranks
+        child._group = dist.new_group(
+            global_ranks,
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=self._timeout),
+            use_local_synchronization=True,
+        )
+        self._children.append(child)
+        return child
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for child in self._children:
+            child.close()
+        if self._owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._group = None
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _require_group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            state = "closed" if self._closed else "not initialized; call initialize() first"
+            raise RuntimeError(f"coordinator for ranks {self._global_ranks} is {state}")
+        return self._group
+
+    def _check_rank(self, rank: int, what: str, peer: bool = False) -> None:
+        if not 0 <= rank < self.get_world_size():
+            raise ValueError(f"{what}={rank} is outside this group of {self.get_world_size()}")
+        if peer and rank == self.get_rank():
+            raise ValueError(f"{what}={rank} is this worker itself")
+
+
+def check_group_ranks(ranks: list[int], world_size: int, my_rank: int) -> None:
+    """Validate a sub-group's ranks; shared by coordinators."""
+    if not ranks:
+        raise ValueError("a group needs at least one rank")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"group ranks {ranks} contain duplicates")
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"group ranks {bad} are outside the world of {world_size}")
+    if my_rank not in ranks:
+        raise ValueError(f"rank {my_rank} is not in group {ranks}; only members build a group")
+
+
+def _host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

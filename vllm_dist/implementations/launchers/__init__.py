@@ -1,0 +1,1 @@
+"""Built-in launchers: multiprocessing (``mp``) and Ray actors (``ray``)."""

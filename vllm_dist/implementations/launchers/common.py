@@ -1,0 +1,63 @@
+"""What every launcher does the same way: pack a launch, run it inside a worker, name exits.
+
+Launchers call these plain functions; there is no launcher base class with shared behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_dist import registry, serialization
+from vllm_dist.interfaces import DistributedTask, WorkerInfo
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerOutcome:
+    """What a worker sends back: a pickled return value, or its traceback."""
+
+    ok: bool
+    payload: bytes = b""
+    traceback: str = ""
+
+
+def pack_launch(task_type: type[DistributedTask], kwargs: dict[str, Any]) -> bytes:
+    """Pickle the task class, its keywords and the parent's registrations for the workers."""
+    if not (isinstance(task_type, type) and issubclass(task_type, DistributedTask)):
+        raise TypeError(f"task_type must be a DistributedTask subclass, got {task_type!r}")
+    return serialization.dumps((task_type, kwargs, registry.snapshot()))
+
+
+def run_packed_task(packed: bytes, info: WorkerInfo) -> WorkerOutcome:
+    """Run one rank of a packed launch in this process; never raises."""
+    os.environ.update(info.env())
+    try:
+        task_type, kwargs, snap = serialization.loads(packed)
+        registry.restore(snap)
+        result = task_type(info).run(**kwargs)
+        return WorkerOutcome(ok=True, payload=serialization.dumps(result))
+    except BaseException:  # noqa: BLE001 - the traceback is the report
+        return WorkerOutcome(ok=False, traceback=traceback.format_exc())
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``exited with code 3`` / ``killed by signal SIGKILL`` / ``still running``."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"

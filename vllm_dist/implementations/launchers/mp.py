@@ -1,0 +1,387 @@
+"""MPLauncher: one local process per rank, started with multiprocessing (spawn by default).
+
+Each worker gets torchrun's environment variables, its own process group (so a stop also reaches
+anything it started), ``PR_SET_PDEATHSIG`` (so it dies with the parent, SIGKILL included) and its
+stdout / stderr on pipes that the parent reads and prefixes with ``[rank N]:``. The parent waits on
+result pipes and process sentinels together, so a failed or vanished rank is seen at once and the
+others are stopped without waiting for a collective timeout. Rejected alternative: torch's
+``start_processes``, which re-raises only the first failure and owns the log redirection.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import selectors
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import IO, Any
+
+from vllm_dist import serialization
+from vllm_dist.implementations.launchers.common import (
+    WorkerOutcome,
+    describe_exit,
+    find_free_port,
+    pack_launch,
+    run_packed_task,
+)
+from vllm_dist.interfaces import (
+    DistributedTask,
+    Launcher,
+    LaunchError,
+    LaunchTimeoutError,
+    WorkerFailure,
+    WorkerInfo,
+)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class MPLauncher(Launcher):
+    """Run a task in ``n_tasks`` local processes.
+
+    Args:
+        n_tasks: number of ranks.
+        start_method: ``"spawn"`` (default; safe with CUDA), ``"forkserver"`` or ``"fork"``.
+        timeout: seconds one launch may take before every worker is stopped; None = no limit.
+        master_addr: address of the rendezvous (loopback by default).
+        master_port: rendezvous port; a free one is picked when None.
+        env: extra environment variables for every worker.
+        prefix_output: forward worker stdout / stderr with a ``[rank N]:`` prefix; when False the
+            workers write straight to the parent's terminal.
+        stop_grace: seconds between SIGTERM and SIGKILL when stopping workers.
+    """
+
+    def __init__(
+        self,
+        n_tasks: int,
+        *,
+        start_method: str = "spawn",
+        timeout: float | None = None,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        env: Mapping[str, str] | None = None,
+        prefix_output: bool = True,
+        stop_grace: float = 2.0,
+    ) -> None:
+        if not isinstance(n_tasks, int) or n_tasks < 1:
+            raise ValueError(f"n_tasks must be a positive int, got {n_tasks!r}")
+        if start_method not in mp.get_all_start_methods():
+            raise ValueError(
+                f"start_method {start_method!r} is not available here; "
+                f"choose one of {mp.get_all_start_methods()}"
+            )
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive or None, got {timeout!r}")
+        self._n_tasks = n_tasks
+        self._ctx = mp.get_context(start_method)
+        self._timeout = timeout
+        self._master_addr = master_addr
+        self._master_port = master_port
+        self._env = dict(env or {})
+        self._prefix_output = prefix_output
+        self._stop_grace = stop_grace
+
+    @property
+    def n_tasks(self) -> int:
+        return self._n_tasks
+
+    def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
+        packed = pack_launch(task_type, kwargs)
+        port = self._master_port or find_free_port(self._master_addr)
+        run = _Run(self, packed, port)
+        results = None
+        try:
+            run.start()
+            results = run.wait()
+            return results
+        finally:
+            # after success the workers are exiting on their own: give them time to finish
+            run.stop(exit_wait=10.0 if results is not None else 0.0)
+
+
+class _Run:
+    """The processes of one launch, and everything needed to stop them."""
+
+    def __init__(self, launcher: MPLauncher, packed: bytes, port: int) -> None:
+        self._launcher = launcher
+        self._deadline = None if launcher._timeout is None else time.monotonic() + launcher._timeout
+        self._packed = packed
+        self._port = port
+        self.procs: list[Any] = []
+        self.results: list[mpc.Connection] = []
+        self._forwarder = _OutputForwarder() if launcher._prefix_output else None
+
+    def start(self) -> None:
+        n = self._launcher.n_tasks
+        for rank in range(n):
+            info = WorkerInfo(
+                rank=rank,
+                world_size=n,
+                local_rank=rank,
+                local_world_size=n,
+                master_addr=self._launcher._master_addr,
+                master_port=self._port,
+            )
+            self._start_one(info)
+        if self._forwarder is not None:
+            self._forwarder.start()
+
+    def _start_one(self, info: WorkerInfo) -> None:
+        ctx = self._launcher._ctx
+        result_r, result_w = ctx.Pipe(duplex=False)
+        out_w = err_w = None
+        if self._forwarder is not None:
+            out_r, out_w = ctx.Pipe(duplex=False)
+            err_r, err_w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_worker_main,
+            args=(self._packed, info, self._launcher._env, os.getpid(), result_w, out_w, err_w),
+            name=f"vllm_dist-rank{info.rank}",
+            daemon=False,
+        )
+        proc.start()
+        for conn in (result_w, out_w, err_w):
+            if conn is not None:
+                conn.close()  # the child holds the write ends; EOF means it is gone
+        if self._forwarder is not None:
+            self._forwarder.add(out_r, info.rank, sys.stdout)
+            self._forwarder.add(err_r, info.rank, sys.stderr)
+        self.procs.append(proc)
+        self.results.append(result_r)
+
+    def wait(self) -> list[Any]:
+        n = len(self.procs)
+        outcomes: dict[int, WorkerOutcome] = {}
+        failures: list[WorkerFailure] = []
+        waitables: dict[Any, int] = {}
+        for rank in range(n):
+            waitables[self.results[rank]] = rank
+            waitables[self.procs[rank].sentinel] = rank
+        while len(outcomes) < n and not failures:
+            ready = mpc.wait(list(waitables), timeout=self._remaining())
+            if not ready:
+                raise self._timeout_error(outcomes)
+            for obj in ready:
+                rank = waitables.pop(obj, None)
+                if rank is None or rank in outcomes:
+                    continue
+                outcome = self._read_outcome(rank)
+                if outcome is None:
+                    continue  # sentinel fired before the result pipe was read: next round
+                outcomes[rank] = outcome
+                if not outcome.ok:
+                    failures.append(self._failure(rank, outcome))
+                self._forget(waitables, rank)
+        if failures:
+            self._collect_more_failures(failures, outcomes)
+            raise LaunchError(failures)
+        return [serialization.loads(outcomes[r].payload) for r in range(n)]
+
+    def _read_outcome(self, rank: int) -> WorkerOutcome | None:
+        conn = self.results[rank]
+        proc = self.procs[rank]
+        try:
+            if conn.poll():
+                return conn.recv()  # type: ignore[no-any-return]
+        except (EOFError, OSError):
+            pass
+        if proc.is_alive():
+            return None
+        proc.join(timeout=1.0)
+        return WorkerOutcome(ok=False, traceback="")
+
+    def _failure(self, rank: int, outcome: WorkerOutcome) -> WorkerFailure:
+        if outcome.traceback:
+            return WorkerFailure(
+                rank=rank, reason="raised an exception", traceback=outcome.traceback
+            )
+        proc = self.procs[rank]
+        return WorkerFailure(
+            rank=rank, reason=f"{describe_exit(proc.exitcode)} before returning a result"
+        )
+
+    def _collect_more_failures(
+        self, failures: list[WorkerFailure], outcomes: dict[int, WorkerOutcome]
+    ) -> None:
+        """Ranks that failed at about the same time are reported too (not ranks we stop)."""
+        time.sleep(0.05)
+        known = {f.rank for f in failures}
+        for rank in range(len(self.procs)):
+            if rank in known or rank in outcomes:
+                continue
+            conn = self.results[rank]
+            try:
+                if conn.poll():
+                    outcome = conn.recv()
+                    if not outcome.ok:
+                        failures.append(self._failure(rank, outcome))
+                    continue
+            except (EOFError, OSError):
+                pass
+            if not self.procs[rank].is_alive():
+                failures.append(self._failure(rank, WorkerOutcome(ok=False)))
+
+    @staticmethod
+    def _forget(waitables: dict[Any, int], rank: int) -> None:
+        for obj in [o for o, r in waitables.items() if r == rank]:
+            del waitables[obj]
+
+    def _remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - time.monotonic())
+
+    def _timeout_error(self, outcomes: dict[int, WorkerOutcome]) -> LaunchTimeoutError:
+        stuck = [r for r in range(len(self.procs)) if r not in outcomes]
+        failures = [
+            WorkerFailure(rank=r, reason=f"still running after {self._launcher._timeout} s")
+            for r in stuck
+        ]
+        return LaunchTimeoutError(
+            failures,
+            summary=f"launch timed out after {self._launcher._timeout} s; "
+            f"rank(s) {stuck} had not finished and were stopped",
+        )
+
+    def stop(self, exit_wait: float) -> None:
+        """Stop every worker still running and close the pipes.
+
+        Waits ``exit_wait`` s for workers to exit by themselves, sends SIGTERM, waits the stop
+        grace, then SIGKILLs each worker's process group (also reaching what a worker started).
+        """
+        deadline = time.monotonic() + exit_wait
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        _signal_groups(self.procs, signal.SIGTERM)
+        deadline = time.monotonic() + self._launcher._stop_grace
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        _signal_groups(self.procs, signal.SIGKILL, also_dead=True)
+        for proc in self.procs:
+            proc.join(timeout=5.0)
+        if self._forwarder is not None:
+            self._forwarder.close(timeout=2.0)
+        for conn in self.results:
+            conn.close()
+
+
+def _signal_groups(procs: list[Any], sig: int, also_dead: bool = False) -> None:
+    """Signal each worker's process group (the worker and anything it started)."""
+    for proc in procs:
+        if proc.pid is None or (proc.exitcode is not None and not also_dead):
+            continue
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class _OutputForwarder:
+    """One thread that copies worker output to the parent, line by line, with a rank prefix."""
+
+    def __init__(self) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+
+    def add(self, conn: mpc.Connection, rank: int, sink: IO[str]) -> None:
+        with self._lock:
+            self._sel.register(conn.fileno(), selectors.EVENT_READ, (conn, rank, sink, []))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="vllm_dist-output", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if len(self._sel.get_map()) <= 1:
+                    return
+            for key, _ in self._sel.select(timeout=0.5):
+                if key.data is None:
+                    return
+                conn, rank, sink, pending = key.data
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    self._emit(rank, sink, pending, b"", final=True)
+                    with self._lock:
+                        self._sel.unregister(key.fd)
+                    conn.close()
+                else:
+                    self._emit(rank, sink, pending, chunk, final=False)
+
+    @staticmethod
+    def _emit(rank: int, sink: IO[str], pending: list[bytes], chunk: bytes, final: bool) -> None:
+        data = b"".join(pending) + chunk
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        if final and rest:
+            lines.append(rest)
+            rest = b""
+        pending[:] = [rest] if rest else []
+        if not lines:
+            return
+        text = "".join(f"[rank{rank}]:{ln.decode(errors='replace')}\n" for ln in lines)
+        try:
+            sink.write(text)
+            sink.flush()
+        except (ValueError, OSError):
+            pass  # the parent's stream is closed; drop the output rather than fail the launch
+
+    def close(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                os.write(self._wake_w, b"x")  # a grandchild still holds a pipe: stop reading
+                self._thread.join(timeout=1.0)
+        os.close(self._wake_w)
+        os.close(self._wake_r)
+        self._sel.close()
+
+
+def _worker_main(
+    packed: bytes,
+    info: WorkerInfo,
+    env: Mapping[str, str],
+    parent_pid: int,
+    result_conn: mpc.Connection,
+    out_conn: mpc.Connection | None,
+    err_conn: mpc.Connection | None,
+) -> None:
+    """Entry point of a worker process."""
+    _die_with_parent(parent_pid)
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    if out_conn is not None and err_conn is not None:
+        _redirect(out_conn, err_conn)
+    os.environ.update(env)
+    outcome = run_packed_task(packed, info)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    result_conn.send(outcome)
+    result_conn.close()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _redirect(out_conn: mpc.Connection, err_conn: mpc.Connection) -> None:
+    for conn, fd, stream in ((out_conn, 1, sys.stdout), (err_conn, 2, sys.stderr)):
+        stream.flush()
+        os.dup2(conn.fileno(), fd)
+        conn.close()
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)

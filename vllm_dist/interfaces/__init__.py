@@ -1,0 +1,36 @@
+"""The abstract contracts of the three pluggable roles and the task that composes them.
+
+Nothing here knows a backend: implementations live under ``vllm_dist.implementations`` and are
+found through ``vllm_dist.registry``.
+"""
+
+from vllm_dist.interfaces.communicator import (
+    CommOp,
+    DeviceCommunicator,
+    ReduceOp,
+    UnsupportedOperationError,
+)
+from vllm_dist.interfaces.coordinator import CoordinatorTimeoutError, WorkerCoordinator
+from vllm_dist.interfaces.launcher import (
+    DistributedTask,
+    Launcher,
+    LaunchError,
+    LaunchTimeoutError,
+    WorkerFailure,
+    WorkerInfo,
+)
+
+__all__ = [
+    "CommOp",
+    "CoordinatorTimeoutError",
+    "DeviceCommunicator",
+    "DistributedTask",
+    "LaunchError",
+    "LaunchTimeoutError",
+    "Launcher",
+    "ReduceOp",
+    "UnsupportedOperationError",
+    "WorkerCoordinator",
+    "WorkerFailure",
+    "WorkerInfo",
+]

@@ -1,0 +1,162 @@
+"""Launcher and DistributedTask: who starts the workers, and what each worker runs.
+
+A launcher owns processes (or actors); a task owns the work. The launcher hands every worker a
+``WorkerInfo`` and the launch keywords, and gives back one return value per rank in rank order, or
+one ``LaunchError`` that names every failed rank. Launcher-specific options go to the launcher's
+constructor so that ``launch(**kwargs)`` means the same thing under every launcher.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerInfo:
+    """What a worker knows about its place in the launch (torchrun's variables, typed).
+
+    ``local_*`` describe the worker's node: ``local_rank`` picks the worker's device.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    node_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"local_rank {self.local_rank} is outside local_world_size {self.local_world_size}"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port {self.master_port} is not a TCP port")
+
+    def env(self) -> dict[str, str]:
+        """The torchrun environment variables that describe this worker."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> WorkerInfo:
+        """Read the torchrun variables, so that a task also runs under ``torchrun``.
+
+        Raises:
+            ValueError: a variable is missing; the message names it.
+        """
+        import os
+
+        env = dict(os.environ if environ is None else environ)
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise ValueError(
+                f"missing environment variables {missing}: start the worker with a vllm_dist "
+                "launcher or torchrun, or set them yourself"
+            )
+        world_size = int(env["WORLD_SIZE"])
+        return cls(
+            rank=int(env["RANK"]),
+            world_size=world_size,
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env["MASTER_PORT"]),
+            node_rank=int(env.get("GROUP_RANK", 0)),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerFailure:
+    """One failed worker: its rank, how it ended, and its own traceback when it had one."""
+
+    rank: int
+    reason: str
+    traceback: str = ""
+
+
+class LaunchError(RuntimeError):
+    """One or more workers failed; every other worker of the launch has been stopped.
+
+    Attributes:
+        failures: one ``WorkerFailure`` per failed rank, in rank order.
+    """
+
+    def __init__(self, failures: Sequence[WorkerFailure], summary: str = "") -> None:
+        self.failures = sorted(failures, key=lambda f: f.rank)
+        ranks = [f.rank for f in self.failures]
+        head = summary or f"launch failed on rank(s) {ranks}"
+        parts = [head]
+        for f in self.failures:
+            parts.append(f"--- rank {f.rank}: {f.reason}")
+            if f.traceback:
+                parts.append(f.traceback.rstrip())
+        super().__init__("\n".join(parts))
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failures]
+
+
+class LaunchTimeoutError(LaunchError):
+    """The launch ran past its ``timeout``; the ranks still running were stopped."""
+
+
+class DistributedTask(ABC):
+    """The job every worker runs. Subclasses override ``run`` (or a hook of a base task).
+
+    The launcher constructs ``task_type(worker_info)`` in each worker and calls
+    ``run(**launch_kwargs)``; the return value must be picklable and becomes that rank's entry in
+    the launch result.
+    """
+
+    def __init__(self, worker_info: WorkerInfo) -> None:
+        self.worker_info = worker_info
+
+    @abstractmethod
+    def run(self, **kwargs: Any) -> Any:
+        """Do this worker's share of the work and return its result.
+
+        Raises:
+            Exception: anything; the launcher reports it as a ``LaunchError`` naming this rank.
+        """
+
+
+class Launcher(ABC):
+    """Starts N workers, runs one ``DistributedTask`` in each and collects their results."""
+
+    @property
+    @abstractmethod
+    def n_tasks(self) -> int:
+        """How many workers one launch starts."""
+
+    @abstractmethod
+    def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
+        """Run ``task_type`` on every worker and block until all have returned.
+
+        Args:
+            task_type: the task class; it travels to the workers with cloudpickle (by value where
+                its module does not exist there, see ``vllm_dist.serialization``).
+            **kwargs: passed unchanged to ``task.run`` on every worker.
+
+        Returns:
+            The return value of every rank's ``run``, in rank order.
+
+        Raises:
+            LaunchError: a worker raised, exited or was killed; names the rank(s), the exit code or
+                signal and the worker's traceback. No worker is left running.
+            LaunchTimeoutError: the launch ran past the launcher's timeout.
+        """
