@@ -120,6 +120,15 @@ class DeviceCommunicator(ABC):
     def close(self) -> None:
         """Release the backend's resources; idempotent and never blocks on a dead peer."""
 
+    @classmethod
+    def unavailable_reason(cls, device_type: str) -> str | None:
+        """Why this backend cannot run on ``device_type`` (``"cpu"``/``"cuda"``) here; None if it can.
+
+        Used by ``vllm-dist info`` and by the conformance suite to pick backends. Must not create
+        a CUDA context.
+        """
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Backend facts for logs and benchmarks (library version, transport). Optional."""
         return {}
