@@ -1,0 +1,953 @@
+"""NixlRdtCommunicator: point-to-point and one-sided transfers between workers over NIXL agents.
+
+One NIXL agent per worker. Agents meet through the coordinator (``all_gather_object`` of their
+metadata at construction), so there is no extra port and no etcd. Memory is registered once per
+tensor storage and cached (the cache holds the storage, so its address cannot be reused while the
+registration lives); registrations, transfer handles and remote agents are released on ``close()``.
+
+Two-sided ``send`` / ``recv`` are receiver-announced WRITEs: the receiver registers its buffer and
+sends the sender a "ready" notification (address, size and, the first time, the registration's
+metadata); the sender WRITEs into it with a "done" notification attached, which NIXL delivers
+after the bytes. Rejected alternative: sender-exposed READ. It needs the same two messages, and
+UCX's ``cuda_ipc`` transport disables GET (READ) when it sees no NVLink, silently falling back to
+TCP (about 0.55 GB/s on one H200 against about 2 TB/s), while PUT (WRITE) stays on CUDA IPC.
+
+One-sided ``read`` / ``write`` use buffers a peer ``expose``-d under a name; the peer's code does
+not take part. Descriptors reach peers through ``exchange_exposed()`` (a collective) or out of band
+(``ExposedBuffer`` is picklable: hand it over a Ray call and ``import_exposed`` it). Every request
+may carry many descriptors; ``read_async`` / ``write_async`` return a ``NixlTransfer`` to ``wait``.
+
+For VRAM between processes on one node, ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` is set before the agent
+is created unless the user set it, so READ also stays on CUDA IPC. Every wait is bounded by the
+``timeout`` option: a dead peer gives ``NixlTimeoutError`` (or ``NixlTransferError`` when UCX sees
+the endpoint fail), never a hang.
+
+Ray Direct Transport (``tensor_transport="nixl"``) helpers are at the bottom, guarded by
+``check_ray_rdt_version()``. Ray's NIXL transport is pull-based (the receiver READs), which is why
+two actors sharing one GPU hit the TCP fallback above and ran into Ray's fetch timeout; the
+helpers set the same UCX variable in the actor before Ray creates its agent, and bound every fetch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pickle
+import time
+import uuid
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from vllm_dist.implementations.communicators.common import check_tensor, default_device
+from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoordinator
+
+if TYPE_CHECKING:
+    from nixl._api import nixl_agent, nixl_xfer_handle
+
+INSTALL_HINT = "pip install 'vllm_dist[nixl]'"
+CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+RDT_MIN_RAY_VERSION = "2.56.0"
+
+# notification kinds (first byte); the rest is a pickled payload
+_READY, _DONE, _ERROR, _USER = b"R", b"D", b"E", b"U"
+
+
+class NixlTransferError(RuntimeError):
+    """A NIXL transfer failed (the peer died, the endpoint broke, or the request was invalid)."""
+
+
+class NixlTimeoutError(NixlTransferError, TimeoutError):
+    """A transfer or a peer's message did not complete within the timeout (peer slow or dead)."""
+
+
+class RayRdtUnavailableError(RuntimeError):
+    """Ray Direct Transport cannot be used here (Ray too old, or a known-bad configuration)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NixlOptions:
+    """Options of ``NixlRdtCommunicator`` (pass them as keywords to the constructor).
+
+    Args:
+        timeout: seconds any single wait may take (peer message or transfer); a bound, not a
+            target. Per-call ``timeout=`` arguments override it.
+        backends: NIXL backends to create.
+        max_cached_registrations: registrations of non-exposed tensors kept for reuse; the least
+            recently used unpinned one is released beyond this.
+        num_threads: worker threads of the UCX backend (0 = NIXL's default).
+    """
+
+    timeout: float = 120.0
+    backends: tuple[str, ...] = ("UCX",)
+    max_cached_registrations: int = 64
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {self.timeout!r}")
+        if not self.backends:
+            raise ValueError("backends must name at least one NIXL backend, e.g. ('UCX',)")
+        if self.max_cached_registrations < 1:
+            raise ValueError(
+                f"max_cached_registrations must be >= 1, got {self.max_cached_registrations}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExposedBuffer:
+    """A registered buffer that peers may read and write: picklable, safe to send anywhere.
+
+    ``metadata`` is the owner's full agent metadata at ``epoch`` (its registration generation);
+    importing it lets the importer address ``[addr, addr + nbytes)`` on the owner.
+    """
+
+    rank: int
+    name: str
+    agent: str
+    addr: int
+    nbytes: int
+    device_id: int
+    mem_type: str
+    epoch: int
+    metadata: bytes = field(repr=False)
+
+
+@dataclass(eq=False)
+class _Registration:
+    storage: Any  # the tensor storage: keeps the registered memory alive
+    descs: Any  # nixlRegDList
+    base: int
+    nbytes: int
+    device_id: int
+    mem_type: str
+    pinned: int = 0  # exposures of this storage
+    inflight: int = 0  # transfers using it now
+    shared_with: set[int] = field(default_factory=set)  # ranks that loaded its metadata
+
+
+def _load_nixl() -> Any:
+    try:
+        from nixl import _api
+    except ImportError as exc:
+        raise ImportError(
+            f"the NIXL_RDT communicator needs the nixl package ({exc}); install it with: "
+            f"{INSTALL_HINT}"
+        ) from exc
+    return _api
+
+
+@contextlib.contextmanager
+def _nixl_errors(what: str) -> Iterator[None]:
+    """Turn the binding's own exceptions (``nixlRemoteDisconnectError``, ...) into ours."""
+    try:
+        yield
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] not in ("nixl", "nixl_cu12", "nixl_cu13"):
+            raise
+        raise NixlTransferError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _mem_type(device: torch.device) -> str:
+    return "VRAM" if device.type == "cuda" else "DRAM"
+
+
+def _device_id(t: torch.Tensor) -> int:
+    return max(t.get_device(), 0)
+
+
+class NixlTransfer:
+    """An issued NIXL request. ``wait(timeout)`` blocks (bounded); ``done()`` polls.
+
+    Errors surface from ``wait``/``done`` as ``NixlTransferError`` / ``NixlTimeoutError``. The
+    handle is released as soon as the request finishes or fails.
+    """
+
+    def __init__(
+        self,
+        comm: NixlRdtCommunicator,
+        handle: nixl_xfer_handle | None,
+        regs: list[_Registration],
+        what: str,
+    ) -> None:
+        self._comm = comm
+        self._handle: nixl_xfer_handle | None = handle
+        self._regs = regs
+        self._what = what
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the bytes have landed; raises if the transfer failed."""
+        if self._error is not None:
+            raise self._error
+        if self._handle is None:
+            return True
+        try:
+            with _nixl_errors(self._what):
+                state = self._comm._agent_ref().check_xfer_state(self._handle)
+        except NixlTransferError as exc:
+            self._fail(exc)
+            raise
+        if state == "PROC":
+            return False
+        if state == "DONE":
+            self._finish()
+            return True
+        self._fail(NixlTransferError(f"{self._what} failed (NIXL state {state})"))
+        raise self._error  # type: ignore[misc]
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done, at most ``timeout`` s (default: the communicator's timeout)."""
+        deadline = time.monotonic() + self._comm._timeout(timeout)
+        poll = _Backoff()
+        while not self.done():
+            if time.monotonic() > deadline:
+                self._fail(
+                    NixlTimeoutError(
+                        f"{self._what} did not complete within {self._comm._timeout(timeout)} s; "
+                        "the peer may be dead or overloaded (raise the 'timeout' option if not)"
+                    )
+                )
+                raise self._error  # type: ignore[misc]
+            poll.sleep()
+
+    def _finish(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._comm._release_xfer(handle, self._regs)
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._comm._release_xfer(handle, self._regs, failed=True)
+
+
+class _Backoff:
+    """Spin briefly, then sleep with growing pauses (transfers of a few µs stay fast)."""
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def sleep(self) -> None:
+        self._n += 1
+        if self._n > 50:
+            time.sleep(min(1e-3, 1e-6 * 2 ** min(self._n - 50, 10)))
+
+
+class NixlRdtCommunicator(DeviceCommunicator):
+    """Point-to-point and one-sided transfers over one NIXL agent per worker.
+
+    Args:
+        coordinator: an initialized coordinator of the group (any implementation).
+        device: where tensors live; None = ``cuda:<local rank>`` with CUDA, else CPU.
+        **options: fields of ``NixlOptions`` (``timeout``, ``backends``, ...).
+
+    Not thread-safe: use one communicator from one thread.
+    """
+
+    supported_ops: ClassVar[frozenset[CommOp]] = frozenset(
+        {CommOp.SEND, CommOp.RECV, CommOp.READ, CommOp.WRITE}
+    )
+
+    def __init__(
+        self,
+        coordinator: WorkerCoordinator,
+        device: torch.device | str | None = None,
+        **options: Any,
+    ) -> None:
+        self._opts = NixlOptions(**options)
+        self._api = _load_nixl()
+        self._coord = coordinator
+        self._device = default_device(coordinator, device)
+        self._rank = coordinator.get_rank()
+        self._world = coordinator.get_world_size()
+        self._set_ucx_env = False
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+            if CUDA_IPC_GET_ZCOPY not in os.environ:  # the user's own UCX settings win
+                os.environ[CUDA_IPC_GET_ZCOPY] = "y"
+                self._set_ucx_env = True
+        name = f"vllm_dist-r{coordinator.get_global_ranks()[self._rank]}-{uuid.uuid4().hex[:12]}"
+        config = self._api.nixl_agent_config(
+            backends=list(self._opts.backends), num_threads=self._opts.num_threads
+        )
+        self._agent: nixl_agent | None = self._api.nixl_agent(name, config)
+        self._name = name
+        self._regs: OrderedDict[tuple[str, int], _Registration] = OrderedDict()
+        self._exposed: dict[str, tuple[ExposedBuffer, _Registration]] = {}
+        self._remote_exposed: dict[int, dict[str, ExposedBuffer]] = defaultdict(dict)
+        self._epoch = 0  # bumped whenever a registration is released
+        self._known_epoch: dict[int, int] = {}  # peer rank -> epoch of its metadata we loaded
+        self._shared_epoch: dict[int, int] = {}  # peer rank -> our epoch it has loaded
+        self._send_seq: defaultdict[int, itertools.count[int]] = defaultdict(itertools.count)
+        self._recv_seq: defaultdict[int, itertools.count[int]] = defaultdict(itertools.count)
+        self._inbox: dict[tuple[int, bytes, int], Any] = {}
+        self._user_msgs: defaultdict[int, deque[bytes]] = defaultdict(deque)
+        self._live_xfers = 0
+        self._graveyard: list[tuple[nixl_xfer_handle, list[_Registration]]] = []
+        self._last_backend = ""
+        self._connect()
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        agent = self._agent_ref()
+        everyone = self._coord.all_gather_object((self._name, agent.get_agent_metadata()))
+        self._peer_agent: dict[int, str] = {}
+        self._agent_rank: dict[str, int] = {}
+        for rank, (name, md) in enumerate(everyone):
+            self._agent_rank[name] = rank
+            if rank == self._rank:
+                continue
+            agent.add_remote_agent(md)
+            self._peer_agent[rank] = name
+            self._known_epoch[rank] = 0
+            self._shared_epoch[rank] = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    # -- collectives: not this backend's job -------------------------------------------------
+    def all_reduce(
+        self,
+        tensor_in: torch.Tensor,
+        tensor_out: torch.Tensor | None = None,
+        op: ReduceOp = ReduceOp.SUM,
+    ) -> torch.Tensor:
+        raise self._unsupported(CommOp.ALL_REDUCE)
+
+    def all_gather(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        raise self._unsupported(CommOp.ALL_GATHER)
+
+    def reduce_scatter(
+        self,
+        tensor_in: torch.Tensor,
+        tensor_out: torch.Tensor | None = None,
+        op: ReduceOp = ReduceOp.SUM,
+    ) -> torch.Tensor:
+        raise self._unsupported(CommOp.REDUCE_SCATTER)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        raise self._unsupported(CommOp.BROADCAST)
+
+    def _unsupported(self, op: CommOp) -> Exception:
+        from vllm_dist.registry import unsupported_operation  # lazy: implementations sit below it
+
+        return unsupported_operation(type(self), op)
+
+    # -- two-sided ---------------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, *, timeout: float | None = None) -> None:
+        """Send ``tensor`` to ``dst`` (matched by order with ``recv``): WRITE into its buffer."""
+        check_tensor(tensor, self._device)
+        self._check_peer(dst)
+        seq = next(self._send_seq[dst])
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return
+        deadline = time.monotonic() + self._timeout(timeout)
+        ready = self._wait_msg(dst, _READY, seq, deadline, f"recv #{seq} posted by rank {dst}")
+        addr, remote_nbytes, dev_id, mem_type, epoch, md, full = ready
+        if md:
+            self._load_remote(dst, md, epoch, full=full)
+        if remote_nbytes != nbytes:
+            msg = f"send #{seq} to rank {dst} has {nbytes} bytes but the recv has {remote_nbytes}"
+            self._notify(dst, _ERROR, (seq, msg))
+            raise ValueError(msg + "; shapes and dtypes of a send/recv pair must match")
+        xfer = self._post(
+            "WRITE",
+            dst,
+            [(tensor, addr, nbytes)],
+            remote_dev=dev_id,
+            remote_mem=mem_type,
+            notif=_DONE + pickle.dumps(seq),
+            what=f"send #{seq} to rank {dst}",
+        )
+        xfer.wait(max(0.0, deadline - time.monotonic()))
+
+    def recv(self, tensor: torch.Tensor, src: int, *, timeout: float | None = None) -> torch.Tensor:
+        """Receive the next ``send`` from ``src`` into ``tensor``; returns it."""
+        check_tensor(tensor, self._device)
+        self._check_peer(src)
+        seq = next(self._recv_seq[src])
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return tensor
+        deadline = time.monotonic() + self._timeout(timeout)
+        reg = self._register(tensor)
+        reg.inflight += 1
+        try:
+            md, full = self._metadata_for(src, reg)
+            ready = (tensor.data_ptr(), nbytes, reg.device_id, reg.mem_type, self._epoch, md, full)
+            self._notify(src, _READY, (seq, *ready))
+            what = f"send #{seq} from rank {src}"
+            self._wait_msg(src, _DONE, seq, deadline, what, error_kind=_ERROR)
+        finally:
+            reg.inflight -= 1
+        return tensor
+
+    # -- one-sided ---------------------------------------------------------------------------
+    def expose(self, tensor: torch.Tensor, name: str) -> ExposedBuffer:
+        """Register ``tensor`` under ``name`` so peers may ``read``/``write`` it; local only.
+
+        Peers learn of it through ``exchange_exposed()`` or by ``import_exposed`` of the returned
+        descriptor. The tensor stays registered (and alive) until ``unexpose(name)`` or ``close()``.
+
+        Raises:
+            ValueError: ``name`` is already exposed, or the tensor is on the wrong device.
+        """
+        check_tensor(tensor, self._device)
+        if name in self._exposed:
+            raise ValueError(f"a buffer is already exposed as {name!r}; unexpose it first")
+        reg = self._register(tensor)
+        reg.pinned += 1
+        desc = ExposedBuffer(
+            rank=self._rank,
+            name=name,
+            agent=self._name,
+            addr=tensor.data_ptr(),
+            nbytes=tensor.numel() * tensor.element_size(),
+            device_id=reg.device_id,
+            mem_type=reg.mem_type,
+            epoch=self._epoch,
+            metadata=self._agent_ref().get_agent_metadata(),
+        )
+        self._exposed[name] = (desc, reg)
+        return desc
+
+    def unexpose(self, name: str) -> None:
+        """Stop exposing ``name``; its registration is released once nothing else uses it."""
+        try:
+            _, reg = self._exposed.pop(name)
+        except KeyError:
+            known = sorted(self._exposed)
+            raise ValueError(f"nothing is exposed as {name!r}; exposed: {known}") from None
+        reg.pinned -= 1
+        self._evict()
+
+    def exchange_exposed(self) -> dict[int, dict[str, ExposedBuffer]]:
+        """Collective: every member learns every other member's exposed buffers.
+
+        Returns ``{rank: {name: ExposedBuffer}}`` of the peers (this rank excluded).
+        """
+        mine = [desc for desc, _ in self._exposed.values()]
+        md = self._agent_ref().get_agent_metadata()
+        gathered = self._coord.all_gather_object((self._epoch, md, mine))
+        for rank, (epoch, peer_md, descs) in enumerate(gathered):
+            if rank == self._rank:
+                continue
+            self._load_remote(rank, peer_md, epoch, full=True)
+            self._remote_exposed[rank] = {d.name: d for d in descs}
+            self._shared_epoch[rank] = self._epoch
+        for reg in self._regs.values():
+            reg.shared_with.update(self._peer_agent)
+        return {r: dict(d) for r, d in self._remote_exposed.items()}
+
+    def import_exposed(self, desc: ExposedBuffer) -> None:
+        """Make a peer's ``ExposedBuffer`` (received out of band) addressable by ``read``/``write``.
+
+        Raises:
+            ValueError: the descriptor is from this worker, from an agent that is not a member of
+                this group, or older than metadata already loaded from that peer.
+        """
+        rank = self._agent_rank.get(desc.agent)
+        if rank is None or rank == self._rank:
+            raise ValueError(
+                f"{desc.name!r} belongs to agent {desc.agent!r}, which is not a peer of this "
+                f"communicator (peers: {sorted(self._peer_agent.values())})"
+            )
+        self._load_remote(rank, desc.metadata, desc.epoch, full=True)
+        self._remote_exposed[rank][desc.name] = desc
+
+    def read(
+        self,
+        peer: int,
+        remote_name: str,
+        local: torch.Tensor,
+        remote_offset: int = 0,
+        *,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """Copy ``local.nbytes`` bytes at ``remote_offset`` of the peer's buffer into ``local``."""
+        self.read_async(peer, remote_name, local, remote_offset).wait(timeout)
+        return local
+
+    def write(
+        self,
+        peer: int,
+        remote_name: str,
+        local: torch.Tensor,
+        remote_offset: int = 0,
+        *,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Copy ``local`` into the peer's buffer at ``remote_offset``.
+
+        ``notify``: bytes delivered to the peer after the data (see ``wait_notification``).
+        """
+        self.write_async(peer, remote_name, local, remote_offset, notify=notify).wait(timeout)
+
+    def read_async(
+        self,
+        peer: int,
+        remote_name: str,
+        local: torch.Tensor | Sequence[tuple[torch.Tensor, int, int]],
+        remote_offset: int = 0,
+    ) -> NixlTransfer:
+        """Start a READ; ``local`` is one tensor or a list of ``(view, remote_offset, nbytes)``."""
+        return self._one_sided("READ", peer, remote_name, local, remote_offset, None)
+
+    def write_async(
+        self,
+        peer: int,
+        remote_name: str,
+        local: torch.Tensor | Sequence[tuple[torch.Tensor, int, int]],
+        remote_offset: int = 0,
+        *,
+        notify: bytes | None = None,
+    ) -> NixlTransfer:
+        """Start a WRITE; ``local`` is one tensor or a list of ``(view, remote_offset, nbytes)``."""
+        return self._one_sided("WRITE", peer, remote_name, local, remote_offset, notify)
+
+    def read_many(
+        self,
+        peer: int,
+        remote_name: str,
+        requests: Sequence[tuple[torch.Tensor, int, int]],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """One READ request of many descriptors: each ``(local view, remote offset, nbytes)``."""
+        self.read_async(peer, remote_name, requests).wait(timeout)
+
+    def write_many(
+        self,
+        peer: int,
+        remote_name: str,
+        requests: Sequence[tuple[torch.Tensor, int, int]],
+        *,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """One WRITE request of many descriptors: each ``(local view, remote offset, nbytes)``."""
+        self.write_async(peer, remote_name, requests, notify=notify).wait(timeout)
+
+    def notify(self, peer: int, message: bytes) -> None:
+        """Send ``message`` to ``peer`` (ordered after every transfer this rank completed)."""
+        self._check_peer(peer)
+        self._notify(peer, _USER, bytes(message))
+
+    def wait_notification(self, peer: int, timeout: float | None = None) -> bytes:
+        """The next message ``peer`` sent with ``notify`` or a ``write(..., notify=...)``."""
+        self._check_peer(peer)
+        deadline = time.monotonic() + self._timeout(timeout)
+        poll = _Backoff()
+        while not self._user_msgs[peer]:
+            self._poll_notifs()
+            if self._user_msgs[peer]:
+                break
+            if time.monotonic() > deadline:
+                raise NixlTimeoutError(
+                    f"no notification from rank {peer} within {self._timeout(timeout)} s"
+                )
+            poll.sleep()
+        return self._user_msgs[peer].popleft()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        for handle, _ in self._graveyard:
+            with contextlib.suppress(Exception):
+                handle.release()
+        self._graveyard.clear()
+        for reg in self._regs.values():
+            with contextlib.suppress(Exception):
+                agent.deregister_memory(reg.descs)
+        self._regs.clear()
+        self._exposed.clear()
+        for name in self._peer_agent.values():
+            with contextlib.suppress(Exception):
+                agent.remove_remote_agent(name)
+        del agent
+
+    def stats(self) -> dict[str, int]:
+        """Live resource counts, for leak checks: registrations, exposures, transfer handles."""
+        return {
+            "registrations": len(self._regs),
+            "exposed": len(self._exposed),
+            "live_xfer_handles": self._live_xfers,
+            "leaked_xfer_handles": len(self._graveyard),
+            "epoch": self._epoch,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        facts: dict[str, Any] = {
+            "backend": ",".join(self._opts.backends),
+            "last_xfer_backend": self._last_backend,
+            "mem_type": _mem_type(self._device),
+            "agent": self._name,
+            "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
+            CUDA_IPC_GET_ZCOPY: os.environ.get(CUDA_IPC_GET_ZCOPY, "(unset)"),
+            "ucx_env_set_by_vllm_dist": self._set_ucx_env,
+        }
+        with contextlib.suppress(Exception):
+            from importlib import metadata
+
+            facts["nixl"] = metadata.version("nixl")
+        return facts
+
+    @classmethod
+    def unavailable_reason(cls, device_type: str) -> str | None:
+        import importlib.util
+
+        if importlib.util.find_spec("nixl") is None:
+            return f"the nixl package is not installed ({INSTALL_HINT})"
+        return None
+
+    # -- internals: memory -------------------------------------------------------------------
+    def _register(self, tensor: torch.Tensor) -> _Registration:
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        reg = self._regs.get(key)
+        if reg is not None and reg.nbytes >= storage.nbytes():
+            self._regs.move_to_end(key)
+            return reg
+        mem_type = _mem_type(tensor.device)
+        dev = _device_id(tensor)
+        descs = self._agent_ref().register_memory(
+            [(storage.data_ptr(), storage.nbytes(), dev, "")], mem_type=mem_type
+        )
+        reg = _Registration(storage, descs, storage.data_ptr(), storage.nbytes(), dev, mem_type)
+        self._regs[key] = reg
+        self._evict(keep=reg)
+        return reg
+
+    def _evict(self, keep: _Registration | None = None) -> None:
+        unpinned = [
+            k for k, r in self._regs.items() if r.pinned == 0 and r.inflight == 0 and r is not keep
+        ]
+        excess = len(self._regs) - len(self._exposed) - self._opts.max_cached_registrations
+        for key in unpinned[: max(0, excess)]:
+            reg = self._regs.pop(key)
+            self._agent_ref().deregister_memory(reg.descs)
+            self._epoch += 1
+
+    def _metadata_for(self, peer: int, reg: _Registration) -> tuple[bytes, bool]:
+        """What ``peer`` must load to address ``reg``: nothing, a partial, or full metadata."""
+        if peer in reg.shared_with and self._shared_epoch[peer] == self._epoch:
+            return b"", False
+        agent = self._agent_ref()
+        if self._shared_epoch[peer] != self._epoch:  # we released memory: peer must reload
+            self._shared_epoch[peer] = self._epoch
+            for r in self._regs.values():
+                r.shared_with.add(peer)
+            return agent.get_agent_metadata(), True
+        reg.shared_with.add(peer)
+        return agent.get_partial_agent_metadata(reg.descs, False), False
+
+    def _load_remote(self, rank: int, md: bytes, epoch: int, *, full: bool) -> None:
+        agent = self._agent_ref()
+        known = self._known_epoch[rank]
+        if epoch < known:
+            raise ValueError(
+                f"metadata of rank {rank} at epoch {epoch} is older than the loaded epoch "
+                f"{known}: the buffer was released since; ask the peer for a fresh descriptor"
+            )
+        if epoch != known:
+            if not full:
+                raise NixlTransferError(
+                    f"rank {rank} sent partial metadata at epoch {epoch}, but epoch {known} is "
+                    "loaded (internal protocol error)"
+                )
+            agent.remove_remote_agent(self._peer_agent[rank])
+            self._known_epoch[rank] = epoch
+        agent.add_remote_agent(md)
+
+    # -- internals: transfers ----------------------------------------------------------------
+    def _one_sided(
+        self,
+        op: str,
+        peer: int,
+        remote_name: str,
+        local: torch.Tensor | Sequence[tuple[torch.Tensor, int, int]],
+        remote_offset: int,
+        notify: bytes | None,
+    ) -> NixlTransfer:
+        self._check_peer(peer)
+        remote = self._remote_exposed.get(peer, {}).get(remote_name)
+        if remote is None:
+            known = sorted(self._remote_exposed.get(peer, {}))
+            raise ValueError(
+                f"rank {peer} has exposed no buffer named {remote_name!r} that this worker knows "
+                f"(known: {known}); call exchange_exposed() or import_exposed() first"
+            )
+        if isinstance(local, torch.Tensor):
+            check_tensor(local, self._device, "local")
+            requests = [(local, remote_offset, local.numel() * local.element_size())]
+        else:
+            requests = [(view, remote_offset + off, n) for view, off, n in local]
+        pieces = []
+        for i, (view, off, n) in enumerate(requests):
+            check_tensor(view, self._device, f"local[{i}]")
+            have = view.numel() * view.element_size()
+            if not 0 <= n <= have:
+                raise ValueError(f"request {i}: nbytes={n} but the local view holds {have} bytes")
+            if off < 0 or off + n > remote.nbytes:
+                raise ValueError(
+                    f"request {i}: remote range [{off}, {off + n}) is outside {remote_name!r} "
+                    f"({remote.nbytes} bytes) on rank {peer}"
+                )
+            pieces.append((view, remote.addr + off, n))
+        notif = b"" if notify is None else _USER + bytes(notify)
+        return self._post(
+            op,
+            peer,
+            pieces,
+            remote_dev=remote.device_id,
+            remote_mem=remote.mem_type,
+            notif=notif,
+            what=f"{op} of {remote_name!r} on rank {peer}",
+        )
+
+    def _post(
+        self,
+        op: str,
+        peer: int,
+        pieces: Sequence[tuple[torch.Tensor, int, int]],
+        *,
+        remote_dev: int,
+        remote_mem: str,
+        notif: bytes,
+        what: str,
+    ) -> NixlTransfer:
+        agent = self._agent_ref()
+        pieces = [p for p in pieces if p[2] > 0]
+        regs = []
+        local = np.empty((len(pieces), 3), dtype=np.uint64)
+        remote = np.empty((len(pieces), 3), dtype=np.uint64)
+        for i, (view, raddr, n) in enumerate(pieces):
+            regs.append(self._register(view))
+            local[i] = (view.data_ptr(), n, _device_id(view))
+            remote[i] = (raddr, n, remote_dev)
+        if not pieces:
+            if notif:
+                self._notify(peer, notif[:1], notif[1:])
+            return NixlTransfer(self, None, [], what)
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()  # the bytes must exist first
+        with _nixl_errors(f"{what}: creating the request"):
+            handle = agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs(local, _mem_type(self._device)),
+                agent.get_xfer_descs(remote, remote_mem),
+                self._peer_agent[peer],
+                notif,
+            )
+        self._live_xfers += 1
+        for reg in regs:
+            reg.inflight += 1
+        xfer = NixlTransfer(self, handle, regs, what)
+        try:
+            with _nixl_errors(f"{what}: posting"):
+                state = agent.transfer(handle)
+        except NixlTransferError as exc:
+            xfer._fail(exc)
+            raise
+        if not self._last_backend:
+            with contextlib.suppress(Exception):
+                self._last_backend = agent.query_xfer_backend(handle)
+        if state == "ERR":
+            xfer._fail(NixlTransferError(f"{what} could not be posted (NIXL state ERR)"))
+        return xfer
+
+    def _release_xfer(
+        self, handle: nixl_xfer_handle, regs: list[_Registration], failed: bool = False
+    ) -> None:
+        try:
+            handle.release()
+        except Exception:  # noqa: BLE001 - an in-flight request may refuse to abort
+            self._graveyard.append((handle, regs))  # keep its memory registered and alive
+            return
+        finally:
+            self._live_xfers -= 1
+        for reg in regs:
+            reg.inflight -= 1
+        if failed:
+            self._evict()
+
+    # -- internals: notifications ------------------------------------------------------------
+    def _notify(self, peer: int, kind: bytes, payload: Any) -> None:
+        body = (
+            payload
+            if kind in (_USER, _DONE) and isinstance(payload, bytes)
+            else pickle.dumps(payload)
+        )
+        with _nixl_errors(f"notifying rank {peer}"):
+            self._agent_ref().send_notif(self._peer_agent[peer], kind + body)
+
+    def _poll_notifs(self) -> None:
+        with _nixl_errors("polling notifications"):
+            news = self._agent_ref().get_new_notifs()
+        for agent_name, messages in news.items():
+            rank = self._agent_rank.get(agent_name)
+            if rank is None:
+                continue
+            for msg in messages:
+                kind, body = msg[:1], msg[1:]
+                if kind == _USER:
+                    self._user_msgs[rank].append(body)
+                    continue
+                payload = pickle.loads(body)
+                if kind == _DONE:
+                    self._inbox[(rank, kind, payload)] = None
+                else:
+                    self._inbox[(rank, kind, payload[0])] = payload[1:]
+
+    def _wait_msg(
+        self,
+        peer: int,
+        kind: bytes,
+        seq: int,
+        deadline: float,
+        what: str,
+        error_kind: bytes | None = None,
+    ) -> Any:
+        poll = _Backoff()
+        while True:
+            self._poll_notifs()
+            if (peer, kind, seq) in self._inbox:
+                return self._inbox.pop((peer, kind, seq))
+            if error_kind is not None and (peer, error_kind, seq) in self._inbox:
+                (msg,) = self._inbox.pop((peer, error_kind, seq))
+                raise ValueError(f"rank {peer} refused {what}: {msg}")
+            if time.monotonic() > deadline:
+                raise NixlTimeoutError(
+                    f"rank {self._rank}: {what} did not arrive in time; rank {peer} may be dead, "
+                    "stuck, or not calling the matching send/recv (raise 'timeout' if it is slow)"
+                )
+            poll.sleep()
+
+    # -- internals: misc ---------------------------------------------------------------------
+    def _agent_ref(self) -> nixl_agent:
+        if self._agent is None:
+            raise RuntimeError("this NixlRdtCommunicator is closed")
+        return self._agent
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self._opts.timeout if timeout is None else timeout
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self._world:
+            raise ValueError(f"rank {peer} is outside this group of {self._world}")
+        if peer == self._rank:
+            raise ValueError(f"rank {peer} is this worker itself; use tensor.copy_ locally")
+
+
+# -- Ray Direct Transport --------------------------------------------------------------------------
+
+
+def check_ray_rdt_version(version: str | None = None) -> str:
+    """Refuse Ray older than ``RDT_MIN_RAY_VERSION``; returns the version found.
+
+    Raises:
+        RayRdtUnavailableError: Ray is missing or too old; the message says how to upgrade.
+    """
+    if version is None:
+        try:
+            import ray
+        except ImportError as exc:
+            raise RayRdtUnavailableError(
+                f"Ray Direct Transport needs ray>={RDT_MIN_RAY_VERSION}: "
+                "pip install 'vllm_dist[ray]'"
+            ) from exc
+        version = str(ray.__version__)
+    if _version_tuple(version) < _version_tuple(RDT_MIN_RAY_VERSION):
+        raise RayRdtUnavailableError(
+            f"Ray {version} is too old for Ray Direct Transport (tensor_transport='nixl'); "
+            f"it needs ray>={RDT_MIN_RAY_VERSION}: pip install -U 'ray[default]>={RDT_MIN_RAY_VERSION}'"
+        )
+    return version
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def ray_rdt_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment variables for a Ray actor's ``runtime_env`` so RDT READs of VRAM stay on CUDA IPC.
+
+    Ray's NIXL transport pulls (READ); without this, UCX reads VRAM between processes on one GPU
+    over TCP. A value the user already set (in ``environ``, default ``os.environ``) is kept.
+    """
+    env = os.environ if environ is None else environ
+    return {CUDA_IPC_GET_ZCOPY: env.get(CUDA_IPC_GET_ZCOPY, "y")}
+
+
+def prepare_ray_rdt_actor() -> None:
+    """Call first thing in an actor that uses RDT: checks Ray and sets the UCX variable.
+
+    Ray creates its NIXL agent lazily on the first RDT object, so setting the variable here (unless
+    the user set it) reaches UCX in time.
+    """
+    check_ray_rdt_version()
+    os.environ.setdefault(CUDA_IPC_GET_ZCOPY, "y")
+
+
+def ray_rdt_register(tensor: torch.Tensor) -> None:
+    """Register ``tensor`` with Ray's NIXL agent for the life of the process (producer side)."""
+    prepare_ray_rdt_actor()
+    from ray.experimental import register_nixl_memory
+
+    register_nixl_memory(tensor)
+
+
+def ray_rdt_fetch_into(ref: Any, targets: list[torch.Tensor], *, timeout: float) -> list[Any]:
+    """Fetch an RDT ``ref`` (made with ``tensor_transport="nixl"``) into preallocated ``targets``.
+
+    Bounded by ``timeout`` seconds. Refuses VRAM targets when UCX would READ over TCP (the cause of
+    the Ray 2.60 same-GPU timeouts), with the fix in the message.
+
+    Raises:
+        RayRdtUnavailableError: Ray too old, or VRAM with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` off.
+        NixlTimeoutError: the transfer did not finish within ``timeout``.
+    """
+    prepare_ray_rdt_actor()
+    import ray
+    from ray.experimental import set_target_for_ref
+
+    if any(t.is_cuda for t in targets) and os.environ.get(CUDA_IPC_GET_ZCOPY, "").lower() in (
+        "n",
+        "no",
+        "off",
+        "0",
+    ):
+        raise RayRdtUnavailableError(
+            f"{CUDA_IPC_GET_ZCOPY} is off in this actor: Ray's NIXL transport READs, which UCX then "
+            "carries over TCP between processes on one GPU (it timed out on Ray 2.60); unset it or "
+            f"set it to 'y' in both actors' runtime_env (see ray_rdt_env())"
+        )
+    set_target_for_ref(ref, targets)
+    try:
+        return list(ray.get(ref, timeout=timeout))
+    except ray.exceptions.GetTimeoutError as exc:
+        raise NixlTimeoutError(
+            f"Ray Direct Transport fetch did not finish within {timeout} s"
+        ) from exc
