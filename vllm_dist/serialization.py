@@ -43,8 +43,7 @@ def _apply(name: str) -> None:
     if module is None:
         return
     for pickler in _picklers():
-        if not pickler.is_registered_pickle_by_value(module):
-            pickler.register_pickle_by_value(module)
+        pickler.register_pickle_by_value(module)  # idempotent: a set of module names
 
 
 def _picklers() -> list[Any]:

@@ -172,8 +172,6 @@ class _Run:
                 if rank is None or rank in outcomes:
                     continue
                 outcome = self._read_outcome(rank)
-                if outcome is None:
-                    continue  # sentinel fired before the result pipe was read: next round
                 outcomes[rank] = outcome
                 if not outcome.ok:
                     failures.append(self._failure(rank, outcome))
@@ -183,18 +181,16 @@ class _Run:
             raise LaunchError(failures)
         return [serialization.loads(outcomes[r].payload) for r in range(n)]
 
-    def _read_outcome(self, rank: int) -> WorkerOutcome | None:
-        conn = self.results[rank]
-        proc = self.procs[rank]
+    def _read_outcome(self, rank: int) -> WorkerOutcome:
+        """Called when rank's result pipe or sentinel is ready: its result, or how it died."""
         try:
-            if conn.poll():
-                return conn.recv()  # type: ignore[no-any-return]
+            if self.results[rank].poll():
+                return self.results[rank].recv()  # type: ignore[no-any-return]
         except (EOFError, OSError):
-            pass
-        if proc.is_alive():
-            return None
-        proc.join(timeout=1.0)
-        return WorkerOutcome(ok=False, traceback="")
+            pass  # the worker closed its end without a result: it is exiting
+        # the fds close a moment before the process becomes reapable; wait for its exit code
+        self.procs[rank].join(timeout=5.0)
+        return WorkerOutcome(ok=False)
 
     def _failure(self, rank: int, outcome: WorkerOutcome) -> WorkerFailure:
         if outcome.traceback:

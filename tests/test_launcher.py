@@ -1,0 +1,213 @@
+"""Launchers: results in rank order, the torchrun environment, failures, timeouts, no leftovers.
+
+Every test takes ``make_launcher`` so it runs under each launcher kind (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.utils import distributed_test
+from vllm_dist import (
+    DistributedTask,
+    LaunchError,
+    LaunchTimeoutError,
+    MPLauncher,
+    WorkerInfo,
+)
+
+
+class EnvTask(DistributedTask):
+    def run(self, **kwargs: Any) -> dict[str, Any]:
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        return {
+            "env": {k: os.environ.get(k) for k in keys},
+            "info": self.worker_info,
+            "kwargs": kwargs,
+            "pid": os.getpid(),
+        }
+
+
+class FailTask(DistributedTask):
+    def run(self, *, mode: str, bad_rank: int = 1, **_: Any) -> int:
+        if self.worker_info.rank == bad_rank:
+            if mode == "raise":
+                raise RuntimeError(f"boom from rank {self.worker_info.rank}")
+            if mode == "exit":
+                os._exit(3)
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "hang" or self.worker_info.rank != bad_rank:
+            time.sleep(600)  # the healthy ranks wait in "a collective" forever
+        return self.worker_info.rank
+
+
+class ChildSpawningTask(DistributedTask):
+    """Starts a grandchild that would outlive the worker if nobody stopped its process group."""
+
+    def run(self, **_: Any) -> int:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        if self.worker_info.rank == 0:
+            raise RuntimeError(f"failing with grandchild {child.pid}")
+        time.sleep(600)
+        return 0
+
+
+def _descendants() -> set[int]:
+    """Our live descendants, less multiprocessing's resource tracker (one per parent process)."""
+    found = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(p.cmdline()):
+                found.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _wait_gone(pids: set[int], timeout: float = 5.0) -> set[int]:
+    deadline = time.monotonic() + timeout
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"}
+        time.sleep(0.05)
+    return alive
+
+
+@distributed_test()
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_results_in_rank_order_with_torchrun_env(make_launcher, n: int) -> None:
+    results = make_launcher(n).launch(task_type=EnvTask, alpha=1, beta=[2])
+    assert [r["info"].rank for r in results] == list(range(n))
+    ports = {r["env"]["MASTER_PORT"] for r in results}
+    assert len(ports) == 1 and ports != {None}
+    for rank, r in enumerate(results):
+        assert r["env"]["RANK"] == str(rank)
+        assert r["env"]["WORLD_SIZE"] == str(n)
+        assert r["env"]["LOCAL_WORLD_SIZE"] == str(n)
+        assert r["env"]["MASTER_ADDR"] == "127.0.0.1"
+        assert r["kwargs"] == {"alpha": 1, "beta": [2]}
+        assert WorkerInfo.from_env(r["env"]) == r["info"]
+    assert len({r["pid"] for r in results}) == n
+
+
+@distributed_test(timeout=60)
+@pytest.mark.parametrize("mode", ["raise", "exit", "kill"])
+def test_failure_names_rank_and_stops_the_others(make_launcher, mode: str) -> None:
+    before = _descendants()
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        make_launcher(3).launch(task_type=FailTask, mode=mode, bad_rank=1)
+    elapsed = time.monotonic() - start
+    assert err.value.ranks == [1]
+    text = str(err.value)
+    assert "rank 1" in text
+    if mode == "raise":
+        assert "boom from rank 1" in text and "Traceback" in text
+    elif mode == "exit":
+        assert "exited with code 3" in text
+    else:
+        assert "SIGKILL" in text
+    assert elapsed < 30, f"launch took {elapsed:.1f}s to report the failure"
+    assert not _wait_gone(_descendants() - before), "workers left behind"
+
+
+@distributed_test(timeout=60)
+def test_failure_is_reported_within_seconds() -> None:
+    """From a rank's failure to launch() raising: bounded by the stop grace, not a collective."""
+    launcher = MPLauncher(2, timeout=60, stop_grace=2.0)
+    start = time.monotonic()
+    with pytest.raises(LaunchError):
+        launcher.launch(task_type=FailTask, mode="raise", bad_rank=0)
+    # includes spawning two interpreters; the failure itself is reported well within 5 s of it
+    assert time.monotonic() - start < 15
+
+
+@distributed_test(timeout=60)
+def test_timeout_stops_hung_workers(make_launcher) -> None:
+    before = _descendants()
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as err:
+        make_launcher(2, timeout=3).launch(task_type=FailTask, mode="hang")
+    assert time.monotonic() - start < 15
+    assert err.value.ranks == [0, 1]
+    assert "timed out" in str(err.value)
+    assert not _wait_gone(_descendants() - before)
+
+
+@distributed_test(timeout=60)
+def test_grandchildren_are_stopped_too() -> None:
+    before = _descendants()
+    with pytest.raises(LaunchError, match="grandchild"):
+        MPLauncher(2, timeout=30).launch(task_type=ChildSpawningTask)
+    assert not _wait_gone(_descendants() - before)
+
+
+class PrintTask(DistributedTask):
+    def run(self, **_: Any) -> None:
+        print(f"hello from {self.worker_info.rank}", flush=True)
+        os.write(2, f"raw fd write {self.worker_info.rank}\n".encode())
+
+
+@distributed_test()
+def test_output_lines_carry_rank_prefix(capfd) -> None:
+    MPLauncher(2, timeout=60).launch(task_type=PrintTask)
+    out, err = capfd.readouterr()
+    assert "[rank0]:hello from 0" in out and "[rank1]:hello from 1" in out
+    assert "[rank0]:raw fd write 0" in err and "[rank1]:raw fd write 1" in err
+
+
+_PARENT_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from vllm_dist import MPLauncher, DistributedTask
+
+    class Sleep(DistributedTask):
+        def run(self):
+            with open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w") as f:
+                f.write("x")
+            time.sleep(600)
+
+    if __name__ == "__main__":
+        MPLauncher(2, timeout=120).launch(task_type=Sleep)
+    """
+)
+
+
+def _start_parent(tmp_path) -> tuple[subprocess.Popen[bytes], set[int]]:
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2:
+        assert time.monotonic() < deadline, "workers did not start"
+        assert parent.poll() is None, "parent died"
+        time.sleep(0.1)
+    return parent, {int(p.stem) for p in tmp_path.glob("*.pid")}
+
+
+@distributed_test(timeout=120)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
+def test_workers_die_with_the_parent(tmp_path, sig: int) -> None:
+    parent, workers = _start_parent(tmp_path)
+    parent.send_signal(sig)
+    parent.wait(timeout=30)
+    assert not _wait_gone(workers, timeout=10), f"workers outlived a parent killed by {sig!r}"
+
+
+def test_launcher_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="n_tasks"):
+        MPLauncher(0)
+    with pytest.raises(ValueError, match="start_method"):
+        MPLauncher(1, start_method="teleport")
+    with pytest.raises(TypeError, match="DistributedTask"):
+        MPLauncher(1).launch(task_type=int)
