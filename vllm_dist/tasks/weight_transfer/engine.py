@@ -1,0 +1,625 @@
+"""The producer and consumer engines: set-up (bake, plan, digests) and the sync data path.
+
+Both take a coordinator (control plane) and a communicator (data plane) that span the fleet,
+plus a ``Fleet`` naming which of the coordinator's ranks are producers and which consumers; they
+do not care whether that group came from one launch or from two launches that met at a
+host:port. Backends are never named: where the communicator declares ``CommOp.READ`` and
+implements ``OneSidedCommunicator`` the consumer reads each packed chunk out of the producer's
+serve ring; otherwise the producer sends it (``send``/``recv``, the CPU path).
+
+Set-up, collective over the coordinator:
+1. producers all-gather their metadata and held names; every rank builds the same
+   ``ModelIndex`` (groups, owner classes, router);
+2. each consumer bakes its loader into op chains, plans its chunks, and sends every producer the
+   requests routed to it (``"plan"``), then reserves serve buffers with a digest per producer
+   (``RdtRouter.reserve_serve_buffers``);
+3. each producer checks the requests (names it holds and serves, allowed ops only, shapes),
+   rebuilds the pair's plan itself and compares digests;
+4. everyone all-gathers the verdicts, so a refusal anywhere fails every rank at set-up.
+
+Sync, push path: producers walk their chunks in the fleet-wide order (group, consumer, chunk)
+and consumers receive theirs in the same order, which keeps blocking sends deadlock-free. A
+producer packs chunk ``seq`` into slot ``seq % K`` of that consumer's ring while earlier slots
+are still being sent by a per-consumer sender thread; the per-group free barrier releases a
+group's source tensors once every chunk of it has been delivered.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
+from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
+from vllm_dist.tasks.weight_transfer.ops import (
+    Loader,
+    UnsafeOpError,
+    bake,
+    check_chain,
+    replay,
+)
+from vllm_dist.tasks.weight_transfer.plan import (
+    Chunk,
+    LayoutConfig,
+    PlanMismatchError,
+    Request,
+    buffer_alloc_bytes,
+    build_chunks,
+    pair_digest,
+    slot_bytes,
+)
+from vllm_dist.tasks.weight_transfer.ring import (
+    FreeBarrier,
+    SerialWorker,
+    ServeRing,
+    wait_or_stall,
+)
+from vllm_dist.tasks.weight_transfer.source import WeightSource, dtype_from_str
+
+Route = Callable[[str], Iterable[tuple[str, Loader]]]
+"""``route(hf_name)`` -> the (destination parameter name, loader) pairs that take that weight."""
+
+
+class UnservedNameError(ValueError):
+    """A consumer asked a producer for a weight that producer does not hold or serve."""
+
+
+class WeightTransferSetupError(RuntimeError):
+    """Set-up failed on another rank of the fleet; the message carries that rank's reason."""
+
+
+class ReadHandle(Protocol):
+    """An in-flight one-sided read."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the read completed (True) or ``timeout`` s passed (False)."""
+        ...
+
+
+@runtime_checkable
+class OneSidedCommunicator(Protocol):
+    """The one-sided API a communicator declaring ``CommOp.READ`` offers this task.
+
+    ``expose`` registers a local tensor so that peers can read it under ``name`` (it may move the
+    tensor's storage into registered memory; contents are preserved). ``read`` copies
+    ``local.numel() * local.element_size()`` bytes starting at byte ``remote_offset`` of peer
+    ``peer``'s tensor exposed as ``remote_name`` into ``local``. Ranks are the communicator's
+    group ranks. A Protocol, not an ABC: a backend offers it without importing this package.
+    """
+
+    def expose(self, tensor: torch.Tensor, name: str) -> None: ...
+
+    def read(
+        self, peer: int, remote_name: str, local: torch.Tensor, remote_offset: int = 0
+    ) -> ReadHandle: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransferConfig:
+    """Settings of one weight-transfer deployment (producers and consumers must agree).
+
+    Args:
+        ring_slots: K, the serve-ring slots per (producer, consumer) pair.
+        align: byte alignment of every packed item.
+        max_chunk_bytes: a gather group's items are split into chunks of at most this size.
+        stall_timeout: seconds any wait on a peer may take before ``TransferStallError``.
+        workers_per_replica: consumers per inference replica (0 = one replica).
+        presize_bytes: serve buffers are at least this large (``buffer_alloc_bytes``).
+    """
+
+    ring_slots: int = 2
+    align: int = 256
+    max_chunk_bytes: int = 64 << 20
+    stall_timeout: float = 60.0
+    workers_per_replica: int = 0
+    presize_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.layout()  # validates the layout fields
+        if self.stall_timeout <= 0:
+            raise ValueError(f"stall_timeout must be positive, got {self.stall_timeout}")
+        if self.workers_per_replica < 0 or self.presize_bytes < 0:
+            raise ValueError("workers_per_replica and presize_bytes must be >= 0")
+
+    def layout(self) -> LayoutConfig:
+        return LayoutConfig(
+            align=self.align, max_chunk_bytes=self.max_chunk_bytes, ring_slots=self.ring_slots
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fleet:
+    """Which ranks of the coordinator's group are producers and which are consumers."""
+
+    producer_ranks: tuple[int, ...]
+    consumer_ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        ranks = [*self.producer_ranks, *self.consumer_ranks]
+        if not self.producer_ranks or not self.consumer_ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"a fleet needs distinct producer and consumer ranks, got {self}")
+
+    @classmethod
+    def split(cls, num_producers: int, num_consumers: int) -> Fleet:
+        """Ranks ``[0, P)`` produce, ``[P, P + C)`` consume."""
+        return cls(
+            producer_ranks=tuple(range(num_producers)),
+            consumer_ranks=tuple(range(num_producers, num_producers + num_consumers)),
+        )
+
+
+@dataclass(kw_only=True)
+class SyncStats:
+    """One sync as seen by one rank."""
+
+    seconds: float
+    bytes: int
+    chunks: int
+    path: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "bytes": self.bytes,
+            "chunks": self.chunks,
+            "path": self.path,
+        }
+
+
+@dataclass(kw_only=True)
+class _Pair:
+    """One (producer, consumer) pair as seen from either end."""
+
+    peer_rank: int
+    chunks: list[Chunk]
+    requests: list[Request]
+    slot_bytes: int
+    ring: ServeRing | None = None
+    worker: SerialWorker | None = None
+    items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
+
+
+def _one_sided(communicator: DeviceCommunicator) -> bool:
+    return CommOp.READ in communicator.supported_ops and isinstance(
+        communicator, OneSidedCommunicator
+    )
+
+
+def _gather_verdicts(coordinator: WorkerCoordinator, error: BaseException | None) -> None:
+    """All-gather every rank's set-up error; raise this rank's own, else the first other one."""
+    verdicts = coordinator.all_gather_object(
+        None if error is None else f"{type(error).__name__}: {error}"
+    )
+    if error is not None:
+        raise error
+    failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if failed:
+        lines = "; ".join(f"rank {r}: {v}" for r, v in failed)
+        raise WeightTransferSetupError(f"weight-transfer set-up failed on other ranks: {lines}")
+
+
+class _Engine:
+    """What producers and consumers share: the fleet, the index, the timers."""
+
+    def __init__(
+        self,
+        coordinator: WorkerCoordinator,
+        communicator: DeviceCommunicator,
+        fleet: Fleet,
+        config: TransferConfig,
+    ) -> None:
+        if coordinator.get_world_size() != len(fleet.producer_ranks) + len(fleet.consumer_ranks):
+            raise ValueError(
+                f"the coordinator has {coordinator.get_world_size()} members but the fleet names "
+                f"{len(fleet.producer_ranks)} producers and {len(fleet.consumer_ranks)} consumers"
+            )
+        self.coordinator = coordinator
+        self.communicator = communicator
+        self.fleet = fleet
+        self.config = config
+        self.layout = config.layout()
+        self.one_sided = _one_sided(communicator)
+        self.index: ModelIndex | None = None
+        self.setup_seconds = 0.0
+        self._pairs: dict[int, _Pair] = {}
+
+    @property
+    def path(self) -> str:
+        return "read" if self.one_sided else "send_recv"
+
+    def _index(self, facts: ProducerFacts | None) -> ModelIndex:
+        gathered = self.coordinator.all_gather_object(facts)
+        producer_facts = [gathered[r] for r in self.fleet.producer_ranks]
+        self.index = build_index(
+            producer_facts, len(self.fleet.consumer_ranks), self.config.workers_per_replica
+        )
+        return self.index
+
+    def close(self) -> None:
+        for pair in self._pairs.values():
+            if pair.worker is not None:
+                pair.worker.close()
+        self._pairs = {}
+
+
+class WeightProducer(_Engine):
+    """Serves a ``WeightSource`` to the fleet's consumers.
+
+    Args:
+        coordinator: an initialized coordinator over the fleet.
+        communicator: a communicator over the same group.
+        fleet: the producer and consumer ranks; this worker must be a producer.
+        source: the weights this producer holds.
+        config: the deployment settings (must equal the consumers').
+    """
+
+    def __init__(
+        self,
+        coordinator: WorkerCoordinator,
+        communicator: DeviceCommunicator,
+        *,
+        fleet: Fleet,
+        source: WeightSource,
+        config: TransferConfig | None = None,
+    ) -> None:
+        super().__init__(coordinator, communicator, fleet, config or TransferConfig())
+        rank = coordinator.get_rank()
+        if rank not in fleet.producer_ranks:
+            raise ValueError(f"rank {rank} is not a producer of {fleet}")
+        self.producer_id = fleet.producer_ranks.index(rank)
+        self.source = source
+        self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
+        self._checked: dict[tuple[str, str], tuple[int, ...]] = {}
+
+    # -- set-up --------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Join the fleet's set-up; raises on any rank's refusal (see module docstring)."""
+        start = time.perf_counter()
+        held = self.source.held_names()
+        index = self._index(ProducerFacts(metadata=tuple(self.source.metadata()), held=held))
+        error: BaseException | None = None
+        for cid, crank in enumerate(self.fleet.consumer_ranks):
+            plan_msg = self.coordinator.recv_object(crank)
+            reserve_msg = self.coordinator.recv_object(crank)
+            if error is not None:
+                continue  # keep draining the other consumers so nobody hangs
+            try:
+                self._accept(cid, crank, index, plan_msg, reserve_msg)
+            except Exception as exc:  # reported to the fleet below
+                error = exc
+        _gather_verdicts(self.coordinator, error)
+        self._build_schedule()
+        self.setup_seconds = time.perf_counter() - start
+
+    def _accept(
+        self, cid: int, crank: int, index: ModelIndex, plan_msg: Any, reserve_msg: Any
+    ) -> None:
+        verb, sender, requests = plan_msg
+        if verb != "plan" or sender != cid:
+            raise RuntimeError(f"expected a plan from consumer {cid}, got {verb!r} from {sender}")
+        if isinstance(requests, str):  # the consumer failed its own set-up
+            self._pairs[cid] = _Pair(peer_rank=crank, chunks=[], requests=[], slot_bytes=0)
+            return
+        requests = [self._check_request(cid, index, r) for r in requests]
+        chunks = build_chunks(cid, requests, index.router, self.layout, producer=self.producer_id)
+        digest = pair_digest(cid, self.producer_id, requests, chunks, index.router, self.layout)
+        _verb, _sender, nbytes, their_digest = reserve_msg
+        if their_digest != digest:
+            raise PlanMismatchError(
+                f"producer {self.producer_id} and consumer {cid} derived different plans "
+                f"(digest {digest[:12]} vs {str(their_digest)[:12]}): their deployments differ "
+                "(model, TransferConfig, workers_per_replica, or held names); deploy both sides "
+                "from the same configuration"
+            )
+        slot = slot_bytes(chunks, self.producer_id)
+        ring_bytes = slot * self.layout.ring_slots
+        if nbytes != ring_bytes:
+            raise PlanMismatchError(
+                f"consumer {cid} reserved {nbytes} B of serve ring but the plan needs {ring_bytes}"
+            )
+        pair = _Pair(peer_rank=crank, chunks=chunks, requests=requests, slot_bytes=slot)
+        pair.items = [(dtype_from_str(r.dtype), r.shape, r.nbytes) for r in requests]
+        if chunks:
+            alloc = buffer_alloc_bytes(ring_bytes, self.config.presize_bytes)
+            buf = torch.empty(alloc, dtype=torch.uint8, device=self.communicator.device)
+            pair.ring = ServeRing(buf, self.layout.ring_slots, slot)
+            pair.worker = SerialWorker(f"wt-serve-c{cid}")
+        self._pairs[cid] = pair
+
+    def _check_request(self, cid: int, index: ModelIndex, req: Any) -> Request:
+        if not isinstance(req, Request):
+            raise UnsafeOpError(f"consumer {cid} sent {type(req).__name__}, not a Request")
+        meta = index.meta.get(req.name)
+        if meta is None or self.producer_id not in index.holders.get(req.name, []):
+            raise UnservedNameError(
+                f"consumer {cid} asked producer {self.producer_id} for {req.name!r}, which it "
+                "does not hold; refusing to serve it"
+            )
+        routed = index.router.producer_for(cid, req.name)
+        if routed != self.producer_id:
+            raise UnservedNameError(
+                f"consumer {cid} asked producer {self.producer_id} for {req.name!r}, which this "
+                f"deployment routes to producer {routed}; refusing to serve it"
+            )
+        check_chain(req.chain)
+        key = (req.name, repr(req.chain))
+        shape = self._checked.get(key)
+        if shape is None:
+            probe = torch.empty(meta.shape, dtype=meta.torch_dtype, device="meta")
+            try:
+                shape = tuple(replay(probe, req.chain).shape)
+            except UnsafeOpError:
+                raise
+            except Exception as exc:
+                raise UnsafeOpError(
+                    f"consumer {cid}: op chain {req.chain!r} does not apply to {req.name!r} "
+                    f"of shape {meta.shape}: {exc}"
+                ) from exc
+            self._checked[key] = shape
+        if shape != tuple(req.shape) or req.dtype != meta.dtype:
+            raise UnsafeOpError(
+                f"consumer {cid}: {req.name!r} through {req.chain!r} is {shape} {meta.dtype}, "
+                f"but the request claims {req.shape} {req.dtype}"
+            )
+        return req
+
+    def _build_schedule(self) -> None:
+        sched = [(c.group, cid, c.index) for cid, pair in self._pairs.items() for c in pair.chunks]
+        self._schedule = sorted(sched)
+        assert self.index is not None
+        served: dict[int, set[str]] = {}
+        for pair in self._pairs.values():
+            for c in pair.chunks:
+                served.setdefault(c.group, set()).update(pair.requests[i].name for i in c.items)
+        self._group_names = {
+            g: [n for n in self.index.groups[g] if n in names] for g, names in served.items()
+        }
+
+    # -- sync ----------------------------------------------------------------------------------
+    def sync(self) -> SyncStats:
+        """Serve one version of the weights to every consumer; returns this rank's stats."""
+        start = time.perf_counter()
+        begin = getattr(self.source, "begin_sync", None)
+        if begin is not None:
+            begin()
+        counts: dict[int, int] = {}
+        for g, _cid, _i in self._schedule:
+            counts[g] = counts.get(g, 0) + 1
+        barrier = FreeBarrier(counts)
+        opened: dict[int, Mapping[str, torch.Tensor]] = {}
+        moved = 0
+        timeout = self.config.stall_timeout
+        for g, cid, i in self._schedule:
+            self._release(barrier, opened)
+            if g not in opened:
+                opened[g] = self.source.open_group(self._group_names[g])
+            pair = self._pairs[cid]
+            chunk = pair.chunks[i]
+            assert pair.ring is not None and pair.worker is not None
+            what = f"producer {self.producer_id} -> consumer {cid}"
+            slot = pair.ring.acquire(chunk.seq, chunk.nbytes, timeout, what)
+            self._pack(slot, pair, chunk, opened[g])
+            handle = pair.worker.submit(_sender(self.communicator, slot, pair.peer_rank))
+            handle.add_done_callback(_arrival(barrier, g))
+            pair.ring.in_flight(chunk.seq, handle)
+            moved += chunk.nbytes
+        for cid, pair in self._pairs.items():
+            if pair.ring is not None:
+                pair.ring.drain(timeout, f"producer {self.producer_id} -> consumer {cid}")
+        barrier.wait_all(timeout)
+        self._release(barrier, opened)
+        return SyncStats(
+            seconds=time.perf_counter() - start,
+            bytes=moved,
+            chunks=len(self._schedule),
+            path=self.path,
+        )
+
+    def _release(self, barrier: FreeBarrier, opened: dict[int, Mapping[str, torch.Tensor]]) -> None:
+        for g in barrier.pop_free():
+            if opened.pop(g, None) is not None:
+                self.source.release_group(self._group_names[g])
+
+    @staticmethod
+    def _pack(
+        slot: torch.Tensor, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
+    ) -> None:
+        dsts, srcs = [], []
+        for i, off in zip(chunk.items, chunk.offsets, strict=True):
+            req = pair.requests[i]
+            dtype, shape, nbytes = pair.items[i]
+            dsts.append(slot[off : off + nbytes].view(dtype).view(shape))
+            srcs.append(replay(tensors[req.name], req.chain))
+        torch._foreach_copy_(dsts, srcs)
+
+
+def _arrival(barrier: FreeBarrier, g: int) -> Callable[[Any], None]:
+    return lambda _future: barrier.arrive(g)
+
+
+def _sender(comm: DeviceCommunicator, tensor: torch.Tensor, dst: int) -> Callable[[], None]:
+    return lambda: comm.send(tensor, dst)
+
+
+def _receiver(comm: DeviceCommunicator, tensor: torch.Tensor, src: int) -> Callable[[], Any]:
+    return lambda: comm.recv(tensor, src)
+
+
+class WeightConsumer(_Engine):
+    """Receives this consumer's shard of every weight into its own parameters.
+
+    Args:
+        coordinator: an initialized coordinator over the fleet.
+        communicator: a communicator over the same group.
+        fleet: the producer and consumer ranks; this worker must be a consumer.
+        params: this consumer's parameters by name (written in place by every sync).
+        route: ``route(name)`` -> ``[(param name, loader), ...]`` for each model weight; an
+            empty result means this consumer does not need the weight.
+        config: the deployment settings (must equal the producers').
+    """
+
+    def __init__(
+        self,
+        coordinator: WorkerCoordinator,
+        communicator: DeviceCommunicator,
+        *,
+        fleet: Fleet,
+        params: Mapping[str, torch.Tensor],
+        route: Route,
+        config: TransferConfig | None = None,
+    ) -> None:
+        super().__init__(coordinator, communicator, fleet, config or TransferConfig())
+        rank = coordinator.get_rank()
+        if rank not in fleet.consumer_ranks:
+            raise ValueError(f"rank {rank} is not a consumer of {fleet}")
+        self.consumer_id = fleet.consumer_ranks.index(rank)
+        self.params = params
+        self.route = route
+        self.chunks: list[Chunk] = []
+        self.requests: list[Request] = []
+        self._dests: list[torch.Tensor] = []
+        self.bake_seconds = 0.0
+
+    # -- set-up --------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Bake, plan and reserve; raises on any rank's refusal (see module docstring)."""
+        start = time.perf_counter()
+        index = self._index(None)
+        error: BaseException | None = None
+        try:
+            t0 = time.perf_counter()
+            self.requests, dests = self._bake(index)
+            self.bake_seconds = time.perf_counter() - t0
+            self._dests = [self._dest_view(name, chain) for name, chain in dests]
+            self.chunks = build_chunks(self.consumer_id, self.requests, index.router, self.layout)
+        except Exception as exc:  # reported to the fleet below
+            error = exc
+        self._send_plans(index, error)
+        _gather_verdicts(self.coordinator, error)
+        self._make_rings()
+        self.setup_seconds = time.perf_counter() - start
+
+    def _bake(self, index: ModelIndex) -> tuple[list[Request], list[tuple[str, Any]]]:
+        """Run the loader of every needed weight on fakes; the requests and their destinations."""
+        requests: list[Request] = []
+        dests: list[tuple[str, Any]] = []
+        for name in index.names:
+            meta = index.meta[name]
+            for param_name, loader in self.route(name):
+                if param_name not in self.params:
+                    raise KeyError(f"route({name!r}) names parameter {param_name!r}, not in params")
+                dest = self.params[param_name]
+                for copy in bake(loader, meta.shape, meta.torch_dtype, dest, name):
+                    requests.append(Request(name, copy.src_chain, copy.shape, meta.dtype))
+                    dests.append((param_name, copy.dest_chain))
+        return requests, dests
+
+    def _dest_view(self, param_name: str, chain: Any) -> torch.Tensor:
+        param = self.params[param_name].data
+        view = replay(param, chain)
+        if view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            raise UnsafeOpError(
+                f"the loader's destination view of {param_name!r} ({chain!r}) is a copy, so "
+                "copy_ into it would not reach the parameter; avoid contiguous()/reshape on "
+                "non-contiguous destination views"
+            )
+        return view
+
+    def _send_plans(self, index: ModelIndex, error: BaseException | None) -> None:
+        router = index.router
+        router.bind(
+            actors=list(self.fleet.producer_ranks),
+            produce_methods=[self._control(r) for r in self.fleet.producer_ranks],
+            consumer_id=self.consumer_id,
+        )
+        digests: dict[int, str] = {}
+        reserve: dict[int, int] = {}
+        for p, prank in enumerate(self.fleet.producer_ranks):
+            if error is not None:
+                payload: Any = f"consumer {self.consumer_id} failed set-up"
+            else:
+                payload = [
+                    self.requests[i] for c in self.chunks if c.producer == p for i in c.items
+                ]
+                digests[p] = pair_digest(
+                    self.consumer_id, p, self.requests, self.chunks, router, self.layout
+                )
+            self.coordinator.send_object(("plan", self.consumer_id, payload), prank)
+            reserve[p] = slot_bytes(self.chunks, p) * self.layout.ring_slots
+        router.reserve_serve_buffers(reserve, digests)
+
+    def _control(self, rank: int) -> Callable[..., None]:
+        def send(verb: str, consumer_id: int, *args: Any) -> None:
+            self.coordinator.send_object((verb, consumer_id, *args), rank)
+
+        return send
+
+    def _make_rings(self) -> None:
+        for p, prank in enumerate(self.fleet.producer_ranks):
+            chunks = [c for c in self.chunks if c.producer == p]
+            if not chunks:
+                continue
+            slot = slot_bytes(chunks, p)
+            nbytes = slot * self.layout.ring_slots
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.communicator.device)
+            self._pairs[p] = _Pair(
+                peer_rank=prank,
+                chunks=chunks,
+                requests=self.requests,
+                slot_bytes=slot,
+                ring=ServeRing(buf, self.layout.ring_slots, slot),
+                worker=SerialWorker(f"wt-recv-p{p}"),
+            )
+        self._items = [(dtype_from_str(r.dtype), r.shape, r.nbytes) for r in self.requests]
+        k = self.layout.ring_slots
+        last: dict[tuple[int, int], int] = {}
+        self._prev_in_slot: list[int] = []
+        for c in self.chunks:
+            key = (c.producer, c.seq % k)
+            self._prev_in_slot.append(last.get(key, -1))
+            last[key] = c.index
+
+    # -- sync ----------------------------------------------------------------------------------
+    def sync(self) -> SyncStats:
+        """Receive one version of the weights into ``params``; returns this rank's stats."""
+        start = time.perf_counter()
+        timeout = self.config.stall_timeout
+        handles: list[Any] = []
+        slots: list[torch.Tensor] = []
+        issued = 0
+        n = len(self.chunks)
+        for i, chunk in enumerate(self.chunks):
+            while issued < n and self._prev_in_slot[issued] < i:
+                self._issue(issued, handles, slots)
+                issued += 1
+            what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
+            wait_or_stall(handles[i], timeout, what)
+            self._unpack(slots[i], chunk)
+        return SyncStats(
+            seconds=time.perf_counter() - start,
+            bytes=sum(c.nbytes for c in self.chunks),
+            chunks=n,
+            path=self.path,
+        )
+
+    def _issue(self, j: int, handles: list[Any], slots: list[torch.Tensor]) -> None:
+        chunk = self.chunks[j]
+        pair = self._pairs[chunk.producer]
+        assert pair.ring is not None and pair.worker is not None
+        k = pair.ring.slots
+        start = (chunk.seq % k) * pair.slot_bytes
+        slot = pair.ring.buffer[start : start + chunk.nbytes]
+        handles.append(pair.worker.submit(_receiver(self.communicator, slot, pair.peer_rank)))
+        slots.append(slot)
+
+    def _unpack(self, slot: torch.Tensor, chunk: Chunk) -> None:
+        dsts, srcs = [], []
+        for i, off in zip(chunk.items, chunk.offsets, strict=True):
+            dtype, shape, nbytes = self._items[i]
+            srcs.append(slot[off : off + nbytes].view(dtype).view(shape))
+            dsts.append(self._dests[i])
+        torch._foreach_copy_(dsts, srcs)

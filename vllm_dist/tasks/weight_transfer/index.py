@@ -1,0 +1,68 @@
+"""The fleet's shared view of the model: merged metadata, gather groups, owner classes, router.
+
+Every rank builds the same ``ModelIndex`` from the producers' (metadata, held names) facts,
+gathered over the coordinator at set-up, so routes need no further messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_dist.tasks.weight_transfer.groups import layerwise_groups
+from vllm_dist.tasks.weight_transfer.router import RdtRouter
+from vllm_dist.tasks.weight_transfer.source import WeightMeta
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProducerFacts:
+    """What one producer tells the fleet at set-up."""
+
+    metadata: tuple[WeightMeta, ...]
+    held: frozenset[str] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelIndex:
+    """Names in gather order, their metadata, groups and the router over them."""
+
+    names: list[str]
+    meta: dict[str, WeightMeta]
+    groups: list[list[str]]
+    holders: dict[str, list[int]]
+    router: RdtRouter
+
+
+def build_index(
+    facts: Sequence[ProducerFacts], num_consumers: int, workers_per_replica: int
+) -> ModelIndex:
+    """Merge the producers' facts into one index (the same on every rank).
+
+    Raises:
+        ValueError: two producers disagree on a weight's dtype or shape.
+    """
+    meta: dict[str, WeightMeta] = {}
+    for p, f in enumerate(facts):
+        for m in f.metadata:
+            seen = meta.setdefault(m.name, m)
+            if seen != m:
+                raise ValueError(
+                    f"producers disagree on weight {m.name!r}: {seen} vs producer {p}'s {m}; "
+                    "every producer must describe the same model"
+                )
+    holders = {n: [p for p, f in enumerate(facts) if f.held is None or n in f.held] for n in meta}
+    groups = layerwise_groups(n for n in meta if holders[n])
+    names = [n for g in groups for n in g]
+    classes: dict[tuple[int, ...], int] = {}
+    name_class = [classes.setdefault(tuple(holders[n]), len(classes)) for n in names]
+    router = RdtRouter(
+        len(facts),
+        num_consumers,
+        owner_sets=[list(s) for s in classes] or None,
+        name_owner_class=name_class,
+        names=names,
+        group_lens=[len(g) for g in groups],
+        workers_per_replica=workers_per_replica,
+    )
+    router.validate()
+    return ModelIndex(names=names, meta=meta, groups=groups, holders=holders, router=router)

@@ -1,0 +1,168 @@
+"""The transfer plan: which bytes travel from which producer to which consumer, and where.
+
+A consumer's baked copies become *items* (a weight name, the op chain a producer replays on it,
+the shape and dtype of the result). Items are cut into *chunks* per gather group and owner class
+(all served by one producer, see ``RdtRouter``), split further when a chunk would exceed
+``max_chunk_bytes``. Each chunk has a byte-exact pack layout: items at offsets aligned to
+``align`` bytes, so a producer packs with ``copy_`` into views of one buffer and a consumer
+unpacks from views of the same layout. Chunk ``seq`` counts the chunks of one
+(producer, consumer) pair in issue order; it picks the serve-ring slot ``seq % K``.
+
+Producer and consumer build the plan independently from the same inputs and compare a digest
+per pair at set-up: two deployments that disagree (router tables, layout settings, model) fail
+there instead of stalling or corrupting weights mid-sync.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_dist.tasks.weight_transfer.ops import OpChain
+from vllm_dist.tasks.weight_transfer.router import RdtRouter
+from vllm_dist.tasks.weight_transfer.source import dtype_from_str
+
+BUFFER_GRANULE = 256 << 20
+
+
+def buffer_alloc_bytes(nbytes: int, presize: int = 0) -> int:
+    """Bytes to allocate for a serve buffer of ``nbytes``.
+
+    ``max(nbytes, presize, nbytes rounded up to a multiple of 256 MiB)``. Buffers are allocated
+    once and never regrow: regrowing under an in-flight read would hand the reader freed memory.
+    """
+    rounded = -(-nbytes // BUFFER_GRANULE) * BUFFER_GRANULE
+    return max(nbytes, presize, rounded)
+
+
+class PlanMismatchError(RuntimeError):
+    """A producer and a consumer derived different plans: their deployments differ."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One piece of one weight a consumer needs: ``replay(weight, chain)`` of ``shape``."""
+
+    name: str
+    chain: OpChain
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_from_str(self.dtype).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Items packed together into one serve slot, all from ``producer``.
+
+    ``index`` is the position in the consumer's plan; ``seq`` the position among this
+    (producer, consumer) pair's chunks; ``items`` index the consumer's request list.
+    """
+
+    producer: int
+    group: int
+    owner_class: int
+    index: int
+    seq: int
+    nbytes: int
+    items: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutConfig:
+    """The settings that shape a plan; producers and consumers must agree on them."""
+
+    align: int = 256
+    max_chunk_bytes: int = 256 << 20
+    ring_slots: int = 2
+
+    def __post_init__(self) -> None:
+        if self.align < 16 or self.align & (self.align - 1):
+            raise ValueError(f"align must be a power of two >= 16, got {self.align}")
+        if self.max_chunk_bytes < self.align:
+            raise ValueError(f"max_chunk_bytes {self.max_chunk_bytes} is below align")
+        if self.ring_slots < 1:
+            raise ValueError(f"ring_slots must be >= 1, got {self.ring_slots}")
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def build_chunks(
+    consumer_id: int,
+    requests: Sequence[Request],
+    router: RdtRouter,
+    layout: LayoutConfig,
+    producer: int | None = None,
+) -> list[Chunk]:
+    """Cut ``requests`` into chunks in issue order (group, owner class, size split).
+
+    With ``producer`` given, only that producer's chunks are built (``index`` then counts that
+    producer's chunks only); a producer uses this on the requests a consumer sent it.
+    """
+    keyed = []
+    for i, req in enumerate(requests):
+        g, k = router.group_of(req.name), router.class_of(req.name)
+        keyed.append((g, k, i))
+    keyed.sort()
+    chunks: list[Chunk] = []
+    seqs: dict[int, int] = {}
+    cur: list[int] = []
+    offs: list[int] = []
+    size = 0
+    key: tuple[int, int, int] | None = None
+
+    def flush() -> None:
+        nonlocal cur, offs, size
+        if cur and key is not None:
+            p = key[2]
+            seq = seqs.get(p, 0)
+            seqs[p] = seq + 1
+            chunks.append(Chunk(p, key[0], key[1], len(chunks), seq, size, tuple(cur), tuple(offs)))
+        cur, offs, size = [], [], 0
+
+    for g, k, i in keyed:
+        p = router.producer_for(consumer_id, requests[i].name)
+        if producer is not None and p != producer:
+            continue
+        nbytes = _round_up(requests[i].nbytes, layout.align)
+        if (g, k, p) != key or (cur and size + nbytes > layout.max_chunk_bytes):
+            flush()
+            key = (g, k, p)
+        cur.append(i)
+        offs.append(size)
+        size += nbytes
+    flush()
+    return chunks
+
+
+def pair_digest(
+    consumer_id: int,
+    producer: int,
+    requests: Sequence[Request],
+    chunks: Sequence[Chunk],
+    router: RdtRouter,
+    layout: LayoutConfig,
+) -> str:
+    """A digest of what ``producer`` serves ``consumer_id``: routes, layout and items."""
+    h = hashlib.sha256()
+    h.update(repr((router.fingerprint(), layout, consumer_id, producer)).encode())
+    for c in chunks:
+        if c.producer != producer:
+            continue
+        h.update(repr((c.seq, c.group, c.owner_class, c.nbytes, c.offsets)).encode())
+        for i in c.items:
+            r = requests[i]
+            h.update(repr((r.name, r.chain, r.shape, r.dtype)).encode())
+    return h.hexdigest()
+
+
+def slot_bytes(chunks: Sequence[Chunk], producer: int) -> int:
+    """The serve-slot size of one pair: its largest chunk."""
+    return max((c.nbytes for c in chunks if c.producer == producer), default=0)

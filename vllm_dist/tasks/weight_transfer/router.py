@@ -1,0 +1,216 @@
+"""RdtRouter: which producer serves each weight to each consumer.
+
+Ownership is per name: producers that hold the same names form an *owner class* (a pipeline
+stage, an expert shard), and a name can only come from one of its owners. A consumer binds a
+block of producers (``assign_producer_indices``) and spreads its gather groups over that block,
+so every name of a group comes from one producer and worker i of every inference replica resolves
+the same producer (replicas then read identical bytes from identical places).
+
+The router is pure data plus, after ``bind``, a thin send side: ``produce_methods[i]`` is a
+callable ``(verb, consumer_id, *args)`` that reaches producer i (an actor method, a control
+message), so the same routing drives Ray actors and communicator ranks alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+ProduceMethod = Callable[..., Any]
+
+
+def assign_producer_indices(num_producers: int, num_consumers: int, consumer_idx: int) -> list[int]:
+    """The producers consumer ``consumer_idx`` binds, by the block rule.
+
+    With ``P = max(1, num_producers)`` and ``C = max(1, num_consumers)``: the block
+    ``range(c*P//C, (c+1)*P//C)`` when ``P >= C``, else the single producer ``[c*P//C]``.
+    """
+    p = max(1, num_producers)
+    c = max(1, num_consumers)
+    if p >= c:
+        return list(range(consumer_idx * p // c, (consumer_idx + 1) * p // c))
+    return [consumer_idx * p // c]
+
+
+class RdtRouter:
+    """Routes every name to one producer per consumer.
+
+    Args:
+        num_producers: producers in the fleet.
+        num_consumers: consumers in the fleet (every replica's workers).
+        owner_sets: the distinct producer sets that own names (deduplicated and sorted here);
+            None = one class owning every producer.
+        name_owner_class: ``name_owner_class[i]`` is the owner class of ``names[i]``; a missing
+            entry (or None) is class 0.
+        names: the model's names, in gather order.
+        group_lens: cuts ``names`` into consecutive gather groups.
+        workers_per_replica: consumers per inference replica (0 = the whole fleet is one replica).
+
+    Raises:
+        ValueError: ``workers_per_replica`` does not divide ``num_consumers`` (or exceeds it), or
+            ``group_lens`` does not cut ``names``.
+    """
+
+    def __init__(
+        self,
+        num_producers: int,
+        num_consumers: int,
+        owner_sets: Sequence[Sequence[int]] | None = None,
+        name_owner_class: Sequence[int] | None = None,
+        names: Sequence[str] | None = None,
+        group_lens: Sequence[int] | None = None,
+        workers_per_replica: int = 0,
+    ) -> None:
+        if num_producers < 0 or num_consumers < 0:
+            raise ValueError(f"negative fleet size: {num_producers} producers, {num_consumers}")
+        self.num_producers = num_producers
+        self.num_consumers = num_consumers
+        block = workers_per_replica or num_consumers
+        if (
+            workers_per_replica < 0
+            or block > max(1, num_consumers)
+            or (num_consumers and num_consumers % block)
+        ):
+            raise ValueError(
+                f"workers_per_replica={workers_per_replica} must divide num_consumers="
+                f"{num_consumers} (0 = one replica of every consumer)"
+            )
+        self.workers_per_replica = max(1, block)
+        if owner_sets is None:
+            owner_sets = [range(num_producers)]
+        self.owner_sets = [sorted(set(s)) for s in owner_sets]
+        self.names = list(names or [])
+        classes = list(name_owner_class or [])
+        self._class = {n: (classes[i] if i < len(classes) else 0) for i, n in enumerate(self.names)}
+        self._group: dict[str, int] = {}
+        self.group_names: list[list[str]] = []
+        if group_lens is not None:
+            if any(n < 0 for n in group_lens) or sum(group_lens) != len(self.names):
+                raise ValueError(
+                    f"group_lens {list(group_lens)[:8]} (sum {sum(group_lens)}) must cut the "
+                    f"{len(self.names)} names into consecutive groups"
+                )
+            start = 0
+            for g, n in enumerate(group_lens):
+                self.group_names.append(self.names[start : start + n])
+                self._group.update((name, g) for name in self.names[start : start + n])
+                start += n
+        self._consumer_id: int | None = None
+        self._actors: list[Any] = []
+        self._produce: list[ProduceMethod] = []
+
+    # -- tables --------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check that every name can be served.
+
+        Raises:
+            ValueError: an empty or out-of-range owner set, or a class index that resolves to
+                no owner set.
+        """
+        for k, owners in enumerate(self.owner_sets):
+            if not owners:
+                raise ValueError(f"owner set {k} is empty; every owner class needs a producer")
+            bad = [p for p in owners if not 0 <= p < self.num_producers]
+            if bad:
+                raise ValueError(
+                    f"owner set {k} has producers {bad} outside 0..{self.num_producers - 1}"
+                )
+        for name, k in self._class.items():
+            if not isinstance(k, int) or not 0 <= k < len(self.owner_sets):
+                raise ValueError(
+                    f"name {name!r} has owner class {k!r}, but only classes "
+                    f"0..{len(self.owner_sets) - 1} exist"
+                )
+
+    def class_of(self, name: str) -> int:
+        """The owner class of ``name`` (0 for a name the router was not given)."""
+        return self._class.get(name, 0)
+
+    def owners(self, name: str) -> list[int]:
+        """The producers that own ``name``."""
+        k = self.class_of(name)
+        if not 0 <= k < len(self.owner_sets):
+            raise ValueError(f"name {name!r}: owner class {k} does not exist; call validate()")
+        return self.owner_sets[k]
+
+    def group_of(self, name: str) -> int:
+        """The gather group of ``name`` (0 when it has none)."""
+        return self._group.get(name, 0)
+
+    def group_owners(self, g: int) -> list[int]:
+        """Every producer owning a name of group ``g``; every producer when there are no groups."""
+        if not self.group_names:
+            return list(range(self.num_producers))
+        if not 0 <= g < len(self.group_names):
+            raise ValueError(f"group {g} is outside 0..{len(self.group_names) - 1}")
+        found: set[int] = set()
+        for k in {self.class_of(n) for n in self.group_names[g]}:
+            found.update(self.owner_sets[k])
+        return sorted(found)
+
+    def producer_for(self, consumer_id: int, name: str) -> int:
+        """The producer that serves ``name`` to consumer ``consumer_id``."""
+        owners = self.owners(name)
+        b = self.workers_per_replica
+        block = assign_producer_indices(len(owners), b, consumer_id % b)
+        return owners[block[self.group_of(name) % len(block)]]
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        """What two deployments must agree on for their routes to agree."""
+        return (
+            self.num_producers,
+            self.num_consumers,
+            self.workers_per_replica,
+            tuple(tuple(s) for s in self.owner_sets),
+        )
+
+    # -- send side -----------------------------------------------------------------------------
+    def bind(
+        self, actors: Sequence[Any], produce_methods: Sequence[ProduceMethod], consumer_id: int
+    ) -> None:
+        """Attach the handles of the producers (index = producer id) for consumer ``consumer_id``.
+
+        Raises:
+            ValueError: the lists differ in length or ``consumer_id`` is out of range.
+        """
+        if len(actors) != len(produce_methods):
+            raise ValueError(
+                f"bind() got {len(actors)} actors but {len(produce_methods)} produce methods; "
+                "pass one of each per producer"
+            )
+        if not 0 <= consumer_id < max(1, self.num_consumers):
+            raise ValueError(f"consumer_id {consumer_id} is outside 0..{self.num_consumers - 1}")
+        self._actors = list(actors)
+        self._produce = list(produce_methods)
+        self._consumer_id = consumer_id
+
+    @property
+    def actors(self) -> list[Any]:
+        return list(self._actors)
+
+    def pull(self, owner: int, keys: Any, seq: int) -> Any:
+        """Ask producer ``owner`` to pack ``keys`` into serve slot ``seq % K``; its reply."""
+        return self._send(owner, "pull", keys, seq)
+
+    def free_group(self, g: int) -> list[Any]:
+        """Tell every owner of group ``g`` that this consumer is done with it."""
+        return [self._send(p, "free", g) for p in self.group_owners(g)]
+
+    def reserve_serve_buffers(
+        self,
+        bytes_by_producer: Mapping[int, int],
+        plan_digests: Mapping[int, str] | None = None,
+    ) -> list[Any]:
+        """Ask each producer to reserve ``bytes`` of serve buffer, checking its plan digest."""
+        digests = plan_digests or {}
+        return [
+            self._send(p, "reserve", nbytes, digests.get(p))
+            for p, nbytes in sorted(bytes_by_producer.items())
+        ]
+
+    def _send(self, producer: int, verb: str, *args: Any) -> Any:
+        if self._consumer_id is None:
+            raise RuntimeError(f"RdtRouter.{verb}: call bind(actors, produce_methods, ...) first")
+        if not 0 <= producer < len(self._produce):
+            raise ValueError(f"producer {producer} is not bound (bound: {len(self._produce)})")
+        return self._produce[producer](verb, self._consumer_id, *args)

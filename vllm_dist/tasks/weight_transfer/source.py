@@ -1,0 +1,130 @@
+"""WeightSource: what a producer can serve — the model's metadata and the tensors it holds.
+
+A source reports metadata for the whole model it knows about, the names it holds (``None`` =
+everything) and hands out full-size tensors one gather group at a time, so a sharded trainer
+can materialise a layer (e.g. an FSDP all-gather) when the engine reaches it and free it once
+every consumer has its bytes (``release_group``, called after the per-group free barrier).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vllm_dist.tasks.weight_transfer.groups import layerwise_groups
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightMeta:
+    """One weight of the model: its name, dtype (``str(torch.dtype)``) and full shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_str(self.dtype)
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    """``"torch.bfloat16"`` -> ``torch.bfloat16``; ``ValueError`` for anything else."""
+    attr = name.removeprefix("torch.")
+    dtype = getattr(torch, attr, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+class WeightSource(ABC):
+    """The weights one producer serves."""
+
+    @abstractmethod
+    def metadata(self) -> list[WeightMeta]:
+        """Name, dtype and full shape of every weight this producer knows of, in model order."""
+
+    def held_names(self) -> frozenset[str] | None:
+        """The names this producer holds and may serve; ``None`` means every name."""
+        return None
+
+    @abstractmethod
+    def open_group(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        """The full-size tensors of one gather group's held ``names``, ready to read.
+
+        Called once per group per sync, in group order; the tensors must stay valid until
+        ``release_group`` is called with the same names.
+        """
+
+    def release_group(self, names: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """Every consumer has the group's bytes: memory gathered for it may be freed."""
+
+    def iter_groups(self) -> Iterable[Mapping[str, torch.Tensor]]:
+        """The held tensors, one gather group at a time (for callers outside the engine)."""
+        held = self.held_names()
+        names = [m.name for m in self.metadata() if held is None or m.name in held]
+        for group in layerwise_groups(names):
+            yield self.open_group(group)
+            self.release_group(group)
+
+
+class StateDictSource(WeightSource):
+    """A source over a ``torch.nn.Module`` (its state dict, re-read every sync) or a mapping.
+
+    Args:
+        state: the module or a name -> tensor mapping.
+        held: the names this producer serves (a pipeline stage, some experts); None = all.
+        metadata: the whole model's metadata when this producer holds only part of it; by
+            default the metadata of ``state``.
+    """
+
+    def __init__(
+        self,
+        state: torch.nn.Module | Mapping[str, torch.Tensor],
+        held: Iterable[str] | None = None,
+        metadata: Sequence[WeightMeta] | None = None,
+    ) -> None:
+        self._state = state
+        self._held = None if held is None else frozenset(held)
+        self._tensors: Mapping[str, torch.Tensor] = {}
+        self._meta = list(metadata) if metadata is not None else None
+        if self._held is not None:
+            missing = sorted(self._held - set(self._read()))
+            if missing:
+                raise ValueError(f"held names {missing[:5]} are not in the given state")
+
+    def _read(self) -> Mapping[str, torch.Tensor]:
+        if isinstance(self._state, torch.nn.Module):
+            return self._state.state_dict(keep_vars=True)
+        return self._state
+
+    def metadata(self) -> list[WeightMeta]:
+        if self._meta is not None:
+            return list(self._meta)
+        return [
+            WeightMeta(name=n, dtype=str(t.dtype), shape=tuple(t.shape))
+            for n, t in self._read().items()
+        ]
+
+    def held_names(self) -> frozenset[str] | None:
+        return self._held
+
+    def open_group(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        if not self._tensors:
+            self._tensors = self._read()
+        return {n: self._tensors[n].detach() for n in names}
+
+    def begin_sync(self) -> None:
+        """Re-read the module's state dict (a trainer may have replaced parameters)."""
+        self._tensors = {}
+
+
+def stage_names(names: Sequence[str], num_stages: int, stage: int) -> list[str]:
+    """The names of pipeline stage ``stage`` of ``num_stages``: a contiguous run of groups."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} is outside 0..{num_stages - 1}")
+    groups = layerwise_groups(names)
+    lo, hi = stage * len(groups) // num_stages, (stage + 1) * len(groups) // num_stages
+    return [n for g in groups[lo:hi] for n in g]

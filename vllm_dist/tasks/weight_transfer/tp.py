@@ -1,0 +1,184 @@
+"""Tensor-parallel loaders the way an inference engine writes them, and a Llama layout.
+
+Consumers of this task give their own ``loader(dest, src)``; these are the common ones
+(column / row parallel, vocab parallel, fused QKV and gate-up), used by the demo, the tests
+and the benchmark. They run unchanged on real tensors, which is how tests compute the slice a
+consumer must end up with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from vllm_dist.tasks.weight_transfer.ops import Loader
+
+
+def replicated() -> Loader:
+    """The whole weight (norms, biases of row-parallel layers)."""
+
+    def load(dest: Any, src: Any) -> None:
+        dest.copy_(src)
+
+    return load
+
+
+def column_parallel(tp_rank: int, tp_size: int, dim: int = 0) -> Loader:
+    """This rank's ``1/tp_size`` of ``dim`` (dim 0: column parallel; dim 1: row parallel)."""
+
+    def load(dest: Any, src: Any) -> None:
+        n = src.shape[dim] // tp_size
+        dest.copy_(src.narrow(dim, tp_rank * n, n))
+
+    return load
+
+
+def row_parallel(tp_rank: int, tp_size: int) -> Loader:
+    """This rank's slice of the input dimension, taken with ``chunk``."""
+
+    def load(dest: Any, src: Any) -> None:
+        dest.copy_(src.chunk(tp_size, dim=1)[tp_rank])
+
+    return load
+
+
+def transposed_row_parallel(tp_rank: int, tp_size: int) -> Loader:
+    """Row parallel into a destination stored transposed (``[in / tp, out]``)."""
+
+    def load(dest: Any, src: Any) -> None:
+        n = src.shape[1] // tp_size
+        dest.copy_(src.narrow(1, tp_rank * n, n).t())
+
+    return load
+
+
+def fused_shard(offset: int, tp_rank: int, tp_size: int) -> Loader:
+    """This rank's rows of one part of a fused weight, at ``offset`` rows of the destination."""
+
+    def load(dest: Any, src: Any) -> None:
+        n = src.shape[0] // tp_size
+        dest.narrow(0, offset, n).copy_(src[tp_rank * n : (tp_rank + 1) * n])
+
+    return load
+
+
+Shapes = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def llama_tp_layout(
+    shapes: Shapes, tp_rank: int, tp_size: int, device: torch.device | str = "cpu"
+) -> tuple[dict[str, torch.Tensor], dict[str, list[tuple[str, Loader]]]]:
+    """Parameters and routes of one tensor-parallel rank of a Hugging Face Llama.
+
+    ``shapes`` maps every HF name to (shape, dtype). q/k/v go into a fused column-parallel
+    ``qkv_proj``, gate/up into ``gate_up_proj``, o/down are row parallel, embeddings and the LM
+    head vocab parallel, norms replicated. Returns (params, routes by HF name).
+    """
+    params: dict[str, torch.Tensor] = {}
+    routes: dict[str, list[tuple[str, Loader]]] = {}
+
+    def alloc(name: str, shape: Iterable[int], dtype: torch.dtype) -> None:
+        if name not in params:
+            params[name] = torch.zeros(tuple(shape), dtype=dtype, device=device)
+
+    for name, (shape, dtype) in shapes.items():
+        prefix, _, leaf = name.rpartition(".")
+        module = prefix.rpartition(".")[2]
+        parent = prefix.rpartition(".")[0]
+        if module in ("q_proj", "k_proj", "v_proj"):
+            q, k, v = (shapes[f"{parent}.{m}.{leaf}"][0][0] for m in ("q_proj", "k_proj", "v_proj"))
+            offset = {"q_proj": 0, "k_proj": q, "v_proj": q + k}[module] // tp_size
+            fused = f"{parent}.qkv_proj.{leaf}"
+            alloc(fused, ((q + k + v) // tp_size, *shape[1:]), dtype)
+            routes[name] = [(fused, fused_shard(offset, tp_rank, tp_size))]
+        elif module in ("gate_proj", "up_proj"):
+            inter = shape[0]
+            fused = f"{parent}.gate_up_proj.{leaf}"
+            alloc(fused, (2 * inter // tp_size, *shape[1:]), dtype)
+            offset = 0 if module == "gate_proj" else inter // tp_size
+            routes[name] = [(fused, fused_shard(offset, tp_rank, tp_size))]
+        elif module == "o_proj" and leaf == "weight":
+            alloc(name, (shape[0], shape[1] // tp_size), dtype)
+            routes[name] = [(name, row_parallel(tp_rank, tp_size))]
+        elif module == "down_proj" and leaf == "weight":
+            alloc(name, (shape[1] // tp_size, shape[0]), dtype)  # stored transposed
+            routes[name] = [(name, transposed_row_parallel(tp_rank, tp_size))]
+        elif module in ("embed_tokens", "lm_head"):
+            alloc(name, (shape[0] // tp_size, *shape[1:]), dtype)
+            routes[name] = [(name, column_parallel(tp_rank, tp_size))]
+        else:
+            alloc(name, shape, dtype)
+            routes[name] = [(name, replicated())]
+    return params, routes
+
+
+def expected_params(
+    params: Mapping[str, torch.Tensor],
+    routes: Mapping[str, list[tuple[str, Loader]]],
+    full: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """What ``params`` must hold after a sync of ``full``: the loaders run on real tensors."""
+    out = {n: torch.empty_like(t) for n, t in params.items()}
+    for name, targets in routes.items():
+        for pname, loader in targets:
+            loader(out[pname], full[name])
+    return out
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (any dtype)."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def fill_weights(state: Mapping[str, torch.Tensor], seed: int, step: int) -> None:
+    """Overwrite every tensor with values that depend only on (seed, step, name)."""
+    for name, t in state.items():
+        g = torch.Generator().manual_seed(_seed(seed, step, name))
+        with torch.no_grad():
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype))
+
+
+def _seed(seed: int, step: int, name: str) -> int:
+    h = hashlib.blake2b(f"{seed}/{step}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 62) - 1)
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A 2-layer Llama config small enough for CPU tests (no download)."""
+    from transformers import LlamaConfig
+
+    values: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def build_llama(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised ``LlamaForCausalLM`` from ``config`` (nothing is downloaded)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model: torch.nn.Module = LlamaForCausalLM(config)
+    model.to(dtype=dtype)
+    model.requires_grad_(False)
+    return model
+
+
+def llama_shapes(config: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """HF name -> (shape, dtype) of a Llama from ``config``, built on the meta device."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return {n: (tuple(t.shape), dtype) for n, t in model.state_dict().items()}
