@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -149,7 +148,10 @@ def _bad_input(comm: DeviceCommunicator, rank: int, world: int) -> None:
     with pytest.raises(ValueError):
         comm.all_reduce(tensor_in=torch.zeros(4, device=other))
     with pytest.raises(ValueError, match="shape"):
-        comm.all_reduce(tensor_in=torch.zeros(4, device=comm.device), tensor_out=torch.zeros(5, device=comm.device))
+        comm.all_reduce(
+            tensor_in=torch.zeros(4, device=comm.device),
+            tensor_out=torch.zeros(5, device=comm.device),
+        )
 
 
 @check("cuda_graph_capture", CommOp.CUDA_GRAPH)
@@ -240,7 +242,9 @@ class CommunicatorConformance:
             pytest.skip(f"{self.backend} on {self.device}: {reason}")
 
     @pytest.mark.timeout(240)
-    @pytest.mark.parametrize("check_name", [*CHECKS, *(f"unsupported_{op.value}" for op in UNSUPPORTED_PROBES)])
+    @pytest.mark.parametrize(
+        "check_name", [*CHECKS, *(f"unsupported_{op.value}" for op in UNSUPPORTED_PROBES)]
+    )
     def test_check(self, check_name: str, world_size: int) -> None:
         self._skip_if_unavailable()
         reports = run_conformance(self.backend, world_size, self.device)

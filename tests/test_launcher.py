@@ -28,7 +28,14 @@ from vllm_dist import (
 
 class EnvTask(DistributedTask):
     def run(self, **kwargs: Any) -> dict[str, Any]:
-        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        keys = (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
         return {
             "env": {k: os.environ.get(k) for k in keys},
             "info": self.worker_info,
@@ -78,7 +85,9 @@ def _wait_gone(pids: set[int], timeout: float = 5.0) -> set[int]:
     deadline = time.monotonic() + timeout
     alive = set(pids)
     while alive and time.monotonic() < deadline:
-        alive = {p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"}
+        alive = {
+            p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+        }
         time.sleep(0.05)
     return alive
 

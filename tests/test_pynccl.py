@@ -44,7 +44,7 @@ from vllm_dist.implementations.communicators.pynccl.library import (
     NcclUniqueId,
     load_nccl,
 )
-from vllm_dist.registry import BackendUnavailableError
+from vllm_dist.interfaces import BackendUnavailableError
 
 try:  # the shared suite (STYLE.md 9) lands separately; run it here as soon as it exists
     from tests.conformance import CommunicatorConformance

@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm_dist.implementations.launchers.mp import MPLauncher
 from vllm_dist.interfaces import (
+    BackendUnavailableError,
     CommOp,
     CoordinatorTimeoutError,
     DeviceCommunicator,
@@ -22,7 +23,6 @@ from vllm_dist.interfaces import (
     WorkerInfo,
 )
 from vllm_dist.registry import (
-    BackendUnavailableError,
     CommunicatorType,
     CoordinatorType,
     LauncherType,

@@ -22,13 +22,16 @@ from importlib import metadata
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar, Union
 
-from vllm_dist.interfaces import CommOp, DeviceCommunicator, Launcher, WorkerCoordinator
+from vllm_dist.interfaces import (
+    BackendUnavailableError,
+    CommOp,
+    DeviceCommunicator,
+    Launcher,
+    UnsupportedOperationError,
+    WorkerCoordinator,
+)
 
 T = TypeVar("T")
-
-
-class BackendUnavailableError(ImportError):
-    """A registered backend cannot be loaded here (an optional package is missing)."""
 
 
 class _BackendEnum(str, enum.Enum):
@@ -103,7 +106,7 @@ class _Registry(Generic[T]):
         axis: str,
         base: type,
         enum_type: type[_BackendEnum],
-        builtins: Mapping[str, _Entry],
+        builtins: Mapping[Any, _Entry],
     ) -> None:
         self._axis = axis
         self._base = base
@@ -165,7 +168,7 @@ class _Registry(Generic[T]):
         name = self.resolve_name(key)
         entry = self._entries[name]
         if isinstance(entry.target, type):
-            return entry.target
+            return entry.target  # type: ignore[return-value]
         cls = self._import(name, entry)
         self._entries[name] = _Entry(target=cls, install_hint=entry.install_hint)
         return cls
@@ -196,7 +199,7 @@ class _Registry(Generic[T]):
             ) from None
         if not (isinstance(cls, type) and issubclass(cls, self._base)):
             raise TypeError(f"{self._axis} {name!r}: {cls!r} is not a {self._base.__name__}")
-        return cls
+        return cls  # type: ignore[return-value]
 
     def _load_entry_points(self) -> None:
         if self._entry_points_loaded:
@@ -226,9 +229,9 @@ communicators: _Registry[DeviceCommunicator] = _Registry(
     "communicator", DeviceCommunicator, CommunicatorType, _BUILTIN_COMMUNICATORS
 )
 
-LauncherKey = Union[LauncherType, str]
-CoordinatorKey = Union[CoordinatorType, str]
-CommunicatorKey = Union[CommunicatorType, str]
+LauncherKey = Union[LauncherType, str]  # noqa: UP007 - a runtime alias on Python 3.10
+CoordinatorKey = Union[CoordinatorType, str]  # noqa: UP007
+CommunicatorKey = Union[CommunicatorType, str]  # noqa: UP007
 
 
 def get_launcher_class(launcher_type: LauncherKey) -> type[Launcher]:
@@ -284,8 +287,6 @@ def require_ops(communicator_type: CommunicatorKey, ops: Iterable[CommOp]) -> No
 
 def unsupported_operation(cls: type[DeviceCommunicator], op: CommOp) -> Exception:
     """The error a communicator raises for an operation it does not support."""
-    from vllm_dist.interfaces import UnsupportedOperationError
-
     others = [n for n in backends_supporting(op)]
     where = ", ".join(others) if others else "none of the loadable backends"
     return UnsupportedOperationError(

@@ -12,6 +12,7 @@ from vllm_dist.interfaces.communicator import (
 )
 from vllm_dist.interfaces.coordinator import CoordinatorTimeoutError, WorkerCoordinator
 from vllm_dist.interfaces.launcher import (
+    BackendUnavailableError,
     DistributedTask,
     Launcher,
     LaunchError,
@@ -21,6 +22,7 @@ from vllm_dist.interfaces.launcher import (
 )
 
 __all__ = [
+    "BackendUnavailableError",
     "CommOp",
     "CoordinatorTimeoutError",
     "DeviceCommunicator",

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 class _StrEnum(str, enum.Enum):
     """``enum.StrEnum`` for Python 3.10."""
 

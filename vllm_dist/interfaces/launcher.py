@@ -111,6 +111,13 @@ class LaunchError(RuntimeError):
         return [f.rank for f in self.failures]
 
 
+class BackendUnavailableError(ImportError):
+    """A registered backend cannot be used here: an optional package or library is missing.
+
+    The message names what to install or set.
+    """
+
+
 class LaunchTimeoutError(LaunchError):
     """The launch ran past its ``timeout``; the ranks still running were stopped."""
 

@@ -72,12 +72,25 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             backend=self._backend,
             timeout=datetime.timedelta(seconds=coordinator.timeout),
             use_local_synchronization=True,
+            sort_ranks=False,  # group rank i is ranks[i], as given
             device_id=self._device if self._backend == "nccl" else None,
         )
 
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @classmethod
+    def unavailable_reason(cls, device_type: str) -> str | None:
+        if device_type == "cpu":
+            return None if dist.is_gloo_available() else "this torch build has no gloo"
+        if device_type != "cuda":
+            return f"moves cpu or cuda memory, not {device_type!r}"
+        if not torch.cuda.is_available():
+            return f"this torch build ({torch.__version__}) or machine has no CUDA device"
+        if not dist.is_nccl_available():
+            return "this torch build has no NCCL; install a CUDA build of torch"
+        return None
 
     @property
     def process_group(self) -> dist.ProcessGroup:

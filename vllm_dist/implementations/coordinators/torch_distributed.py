@@ -138,6 +138,7 @@ class TorchDistributedCoordinator(WorkerCoordinator):
             backend="gloo",
             timeout=datetime.timedelta(seconds=self._timeout),
             use_local_synchronization=True,
+            sort_ranks=False,  # group rank i is ranks[i], as given
         )
         self._children.append(child)
         return child

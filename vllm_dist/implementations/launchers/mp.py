@@ -10,6 +10,7 @@ others are stopped without waiting for a collective timeout. Rejected alternativ
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -139,7 +140,7 @@ class _Run:
         if self._forwarder is not None:
             out_r, out_w = ctx.Pipe(duplex=False)
             err_r, err_w = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
+        proc = ctx.Process(  # type: ignore[attr-defined]
             target=_worker_main,
             args=(self._packed, info, self._launcher._env, os.getpid(), result_w, out_w, err_w),
             name=f"vllm_dist-rank{info.rank}",
@@ -168,9 +169,9 @@ class _Run:
             if not ready:
                 raise self._timeout_error(outcomes)
             for obj in ready:
-                rank = waitables.pop(obj, None)
-                if rank is None or rank in outcomes:
+                if obj not in waitables or waitables[obj] in outcomes:
                     continue
+                rank = waitables.pop(obj)
                 outcome = self._read_outcome(rank)
                 outcomes[rank] = outcome
                 if not outcome.ok:
@@ -272,10 +273,8 @@ def _signal_groups(procs: list[Any], sig: int, also_dead: bool = False) -> None:
     for proc in procs:
         if proc.pid is None or (proc.exitcode is not None and not also_dead):
             continue
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 class _OutputForwarder:

@@ -42,8 +42,13 @@ from vllm_dist.implementations.communicators.pynccl.library import (
     nccl_red_op,
     torch_dtype_table,
 )
-from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoordinator
-from vllm_dist.registry import BackendUnavailableError
+from vllm_dist.interfaces import (
+    BackendUnavailableError,
+    CommOp,
+    DeviceCommunicator,
+    ReduceOp,
+    WorkerCoordinator,
+)
 
 
 class PyNcclCommunicator(DeviceCommunicator):

@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_dist.registry import BackendUnavailableError
+from vllm_dist.interfaces import BackendUnavailableError
 
 if TYPE_CHECKING:
     import torch
