@@ -275,7 +275,9 @@ class NixlRdtCommunicator(DeviceCommunicator):
                 self._set_ucx_env = True
         name = f"vllm_dist-r{coordinator.get_global_ranks()[self._rank]}-{uuid.uuid4().hex[:12]}"
         config = self._api.nixl_agent_config(
-            backends=list(self._opts.backends), num_threads=self._opts.num_threads
+            enable_prog_thread=True,  # a target makes progress without calling us (one-sided)
+            backends=list(self._opts.backends),
+            num_threads=self._opts.num_threads,
         )
         self._agent: nixl_agent | None = self._api.nixl_agent(name, config)
         self._name = name
