@@ -1,0 +1,93 @@
+"""Shared by the benchmark scripts: sizes, timing statistics, table printing, JSON and PNG output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def size_sweep(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` to ``hi`` bytes."""
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s)
+        s *= 2
+    return sizes
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f}{unit}" if unit == "B" else f"{nbytes:.4g}{unit}"
+        nbytes /= 1024
+    return str(nbytes)
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def time_calls(fn: Callable[[], Any], sync: Callable[[], None], iters: int) -> float:
+    """Seconds per call of ``fn``, over ``iters`` back-to-back calls between two syncs."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / iters
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    widths = [max(len(str(c)), *(len(_cell(r[i])) for r in rows)) for i, c in enumerate(columns)]
+    lines = [title, "  ".join(str(c).rjust(w) for c, w in zip(columns, widths, strict=False))]
+    for r in rows:
+        lines.append("  ".join(_cell(v).rjust(w) for v, w in zip(r, widths, strict=False)))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return str(v)
+
+
+def machine_facts() -> dict[str, Any]:
+    facts: dict[str, Any] = {"host_cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+
+        facts["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            facts["gpu"] = torch.cuda.get_device_name(0)
+            facts["gpus"] = torch.cuda.device_count()
+    except ImportError:
+        pass
+    return facts
+
+
+def write_outputs(path: str, payload: dict[str, Any], plot: Callable[[str], None] | None) -> None:
+    """Write ``payload`` as JSON to ``path`` and, when matplotlib is there, ``plot`` to a PNG."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    payload = {"machine": machine_facts(), **payload}
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    print(f"wrote {path}")
+    if plot is None:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'vllm_dist[bench]')")
+        return
+    png = os.path.splitext(path)[0] + ".png"
+    plot(png)
+    print(f"wrote {png}")
