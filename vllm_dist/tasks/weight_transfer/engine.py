@@ -281,16 +281,17 @@ class WeightProducer(_Engine):
         start = time.perf_counter()
         held = self.source.held_names()
         index = self._index(ProducerFacts(metadata=tuple(self.source.metadata()), held=held))
-        error: BaseException | None = None
+        errors: list[Exception] = []
         for cid, crank in enumerate(self.fleet.consumer_ranks):
             plan_msg = self.coordinator.recv_object(crank)
             reserve_msg = self.coordinator.recv_object(crank)
-            if error is not None:
-                continue  # keep draining the other consumers so nobody hangs
             try:
                 self._accept(cid, crank, index, plan_msg, reserve_msg)
-            except Exception as exc:  # reported to the fleet below
-                error = exc
+            except Exception as exc:  # every consumer is checked, then reported to the fleet
+                errors.append(exc)
+        error: Exception | None = errors[0] if errors else None
+        if len(errors) > 1:
+            error = type(errors[0])("; ".join(str(e) for e in errors))
         _gather_verdicts(self.coordinator, error)
         self._build_schedule()
         self.setup_seconds = time.perf_counter() - start

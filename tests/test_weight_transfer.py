@@ -1,0 +1,504 @@
+"""Weight transfer: pure unit tests of router / bake / plan, then real multi-process syncs.
+
+Multi-process tests launch CPU fleets (torch.distributed coordinator and communicator) of a
+tiny Llama's real parameter names and shapes, loaded by TP-2 consumers the way an inference
+engine would, and compare a hash of every consumer parameter with the slice its loader takes
+from the full model, over several syncs with changing weights.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tests.utils import distributed_test
+from vllm_dist import CommunicatorType, CoordinatorType, LaunchError, MPLauncher
+from vllm_dist.tasks.weight_transfer import (
+    ALLOWED_OPS,
+    RDT_MIN_RAY_VERSION,
+    BakeError,
+    FreeBarrier,
+    JoinSpec,
+    LayoutConfig,
+    RdtRouter,
+    Request,
+    ServeRing,
+    TransferConfig,
+    TransferStallError,
+    UnsafeOpError,
+    WeightConsumer,
+    assign_producer_indices,
+    bake,
+    buffer_alloc_bytes,
+    build_chunks,
+    check_ray_rdt_version,
+    layerwise_groups,
+    pair_digest,
+    replay,
+)
+from vllm_dist.tasks.weight_transfer.demo import LlamaTransferTask, summarize
+from vllm_dist.tasks.weight_transfer.tp import (
+    column_parallel,
+    expected_params,
+    fused_shard,
+    llama_shapes,
+    llama_tp_layout,
+    row_parallel,
+    tensor_digest,
+    tiny_llama_config,
+    transposed_row_parallel,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def shapes() -> dict[str, Any]:
+    return llama_shapes(tiny_llama_config())
+
+
+# -- groups and router ---------------------------------------------------------------------------
+def test_layerwise_groups() -> None:
+    names = [
+        "embed.weight",
+        "layers.1.a",
+        "layers.0.b",
+        "layers.10.experts.3.w",
+        "layers.1.experts.7.w",
+        "norm.weight",
+        "lm_head.weight",
+    ]
+    assert layerwise_groups(names) == [
+        ["embed.weight"],
+        ["layers.0.b"],
+        ["layers.1.a", "layers.1.experts.7.w"],
+        ["layers.10.experts.3.w"],
+        ["norm.weight", "lm_head.weight"],
+    ]
+    assert layerwise_groups([]) == []
+
+
+def test_assign_producer_indices_block_rule() -> None:
+    assert assign_producer_indices(4, 2, 0) == [0, 1]
+    assert assign_producer_indices(4, 2, 1) == [2, 3]
+    assert assign_producer_indices(2, 4, 3) == [1]
+    assert assign_producer_indices(3, 2, 1) == [1, 2]
+    assert assign_producer_indices(0, 0, 0) == [0]
+    for p in range(1, 6):
+        for c in range(1, 6):
+            got = [assign_producer_indices(p, c, i) for i in range(c)]
+            assert all(got), (p, c)
+            if p >= c:
+                assert sorted(x for b in got for x in b) == list(range(p))
+
+
+def test_router_routes_groups_over_block_and_replicas() -> None:
+    names = ["e", "layers.0.a", "layers.0.b", "layers.1.a", "layers.1.b", "n"]
+    r = RdtRouter(4, 4, names=names, group_lens=[1, 2, 2, 1], workers_per_replica=2)
+    r.validate()
+    # worker 0 of each replica binds producers [0, 1] and spreads groups over them
+    for c in (0, 2):
+        assert [r.producer_for(c, n) for n in names] == [0, 1, 1, 0, 0, 1]
+    for c in (1, 3):
+        assert [r.producer_for(c, n) for n in names] == [2, 3, 3, 2, 2, 3]
+    assert r.group_owners(1) == [0, 1, 2, 3]
+    assert RdtRouter(2, 1).group_owners(0) == [0, 1]
+
+
+def test_router_owner_classes() -> None:
+    names = ["layers.0.x", "layers.0.y", "layers.1.x"]
+    r = RdtRouter(
+        3,
+        2,
+        owner_sets=[[1, 0, 1], [2]],
+        name_owner_class=[0, 1],  # layers.1.x is missing: class 0
+        names=names,
+        group_lens=[2, 1],
+    )
+    r.validate()
+    assert r.owner_sets == [[0, 1], [2]]
+    assert r.owners("layers.0.y") == [2]
+    assert r.class_of("layers.1.x") == 0
+    assert r.group_owners(0) == [0, 1, 2]
+    assert r.producer_for(0, "layers.0.x") == 0
+    assert r.producer_for(1, "layers.0.x") == 1
+    assert r.producer_for(1, "layers.0.y") == 2
+
+
+def test_router_validation_errors() -> None:
+    with pytest.raises(ValueError, match="must divide"):
+        RdtRouter(2, 4, workers_per_replica=3)
+    with pytest.raises(ValueError, match="must divide"):
+        RdtRouter(2, 4, workers_per_replica=8)
+    with pytest.raises(ValueError, match="is empty"):
+        RdtRouter(2, 2, owner_sets=[[]]).validate()
+    with pytest.raises(ValueError, match="outside"):
+        RdtRouter(2, 2, owner_sets=[[0, 5]]).validate()
+    with pytest.raises(ValueError, match="owner class 3"):
+        RdtRouter(2, 2, names=["a"], name_owner_class=[3]).validate()
+    with pytest.raises(ValueError, match="cut"):
+        RdtRouter(2, 2, names=["a", "b"], group_lens=[1])
+
+
+def test_router_send_side() -> None:
+    r = RdtRouter(2, 2, names=["layers.0.a", "layers.1.a"], group_lens=[1, 1])
+    with pytest.raises(RuntimeError, match="bind"):
+        r.pull(0, ["x"], 0)
+    with pytest.raises(RuntimeError, match="bind"):
+        r.free_group(0)
+    with pytest.raises(RuntimeError, match="bind"):
+        r.reserve_serve_buffers({0: 10})
+    with pytest.raises(ValueError, match="2 actors but 1"):
+        r.bind(["a", "b"], [print], 0)
+    calls: list[tuple[Any, ...]] = []
+    methods = [lambda *a, p=p: calls.append((p, *a)) for p in range(2)]
+    r.bind(["a", "b"], methods, 1)
+    r.pull(1, ["k"], 3)
+    r.free_group(1)
+    r.reserve_serve_buffers({1: 64, 0: 32}, {0: "d0"})
+    assert calls == [
+        (1, "pull", 1, ["k"], 3),
+        (0, "free", 1, 1),
+        (1, "free", 1, 1),
+        (0, "reserve", 1, 32, "d0"),
+        (1, "reserve", 1, 64, None),
+    ]
+
+
+# -- bake and replay -----------------------------------------------------------------------------
+def _bake_and_check(loader: Any, src: torch.Tensor, dest_shape: tuple[int, ...]) -> None:
+    dest = torch.zeros(dest_shape, dtype=src.dtype)
+    want = torch.zeros_like(dest)
+    loader(want, src)  # the loader on real tensors
+    for copy in bake(loader, src.shape, src.dtype, dest):
+        replay(dest, copy.dest_chain).copy_(replay(src, copy.src_chain))
+    assert torch.equal(dest, want)
+
+
+def test_bake_records_tp_loaders() -> None:
+    w = torch.randn(8, 6)
+    _bake_and_check(column_parallel(1, 2), w, (4, 6))
+    _bake_and_check(row_parallel(1, 2), w, (8, 3))
+    _bake_and_check(transposed_row_parallel(0, 2), w, (3, 8))
+    _bake_and_check(fused_shard(2, 1, 2), w, (12, 6))
+    chain = bake(row_parallel(1, 2), (8, 6), torch.float32, torch.zeros(8, 3))[0].src_chain
+    assert chain == (("chunk", (2, 1)), ("__getitem__", (1,)))
+
+
+def test_bake_torch_functions_and_kwargs() -> None:
+    def loader(dest: Any, src: Any) -> None:
+        dest.copy_(torch.narrow(src, dim=0, start=2, length=2).flatten(start_dim=0))
+
+    _bake_and_check(loader, torch.randn(4, 3), (6,))
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (lambda d, s: d.copy_(s.to(torch.float16)), r"\.to"),
+        (lambda d, s: d.copy_(s * 2), "arithmetic"),
+        (lambda d, s: d.copy_(s[s.sum()]), r"\.sum"),
+        (lambda d, s: s.item(), r"\.item"),
+        (lambda d, s: d.copy_(torch.cat([s, s])), "torch.cat"),
+        (lambda d, s: s.__setitem__(0, 1.0), "assigned into the source"),
+        (lambda d, s: d.copy_(s.narrow(0, 0, 3)), "shapes must match"),
+        (lambda d, s: d.copy_(s.narrow(0, 5, 4)), "failed on fake tensors"),
+        (lambda d, s: d.fill_(0), r"\.fill_"),
+    ],
+)
+def test_bake_refuses_non_views(body: Any, match: str) -> None:
+    with pytest.raises(BakeError, match=match):
+        bake(body, (8, 4), torch.float32, torch.zeros(4, 4), "w")
+
+
+@pytest.mark.parametrize(
+    "chain, match",
+    [
+        ((("to", (torch.float16,)),), "'to' is not allowed"),
+        ((("__setitem__", (0, 1.0)),), "not allowed"),
+        ((("add_", (1,)),), "not allowed"),
+        ((("narrow", (0, 0, torch.tensor(1))),), "not plain data"),
+        ((("view", (torch.float16,)),), "not plain data"),
+        ((("chunk", (2,)),), "ends in tuple"),
+        (["narrow"], "must be a tuple"),
+    ],
+)
+def test_replay_refuses_unsafe_chains(chain: Any, match: str) -> None:
+    with pytest.raises(UnsafeOpError, match=match):
+        replay(torch.zeros(4, 4), chain)
+    assert "to" not in ALLOWED_OPS
+
+
+# -- plan, rings, misc ---------------------------------------------------------------------------
+def test_plan_layout_is_aligned_and_split() -> None:
+    names = ["layers.0.a", "layers.0.b", "layers.0.c", "layers.1.a"]
+    router = RdtRouter(2, 1, names=names, group_lens=[3, 1])
+    reqs = [Request(n, (), (100,), "torch.bfloat16") for n in names]  # 200 B each
+    layout = LayoutConfig(align=256, max_chunk_bytes=512)
+    chunks = build_chunks(0, reqs, router, layout)
+    assert [(c.producer, c.group, c.seq, c.items, c.offsets, c.nbytes) for c in chunks] == [
+        (0, 0, 0, (0, 1), (0, 256), 512),
+        (0, 0, 1, (2,), (0,), 256),
+        (1, 1, 0, (3,), (0,), 256),
+    ]
+    mine = build_chunks(0, [reqs[3]], router, layout, producer=1)
+    d_consumer = pair_digest(0, 1, reqs, chunks, router, layout)
+    assert pair_digest(0, 1, [reqs[3]], mine, router, layout) == d_consumer
+    other = LayoutConfig(align=512, max_chunk_bytes=512)
+    assert pair_digest(0, 1, reqs, chunks, router, other) != d_consumer
+
+
+def test_buffer_alloc_bytes() -> None:
+    assert buffer_alloc_bytes(1) == 256 * MiB
+    assert buffer_alloc_bytes(256 * MiB) == 256 * MiB
+    assert buffer_alloc_bytes(256 * MiB + 1) == 512 * MiB
+    assert buffer_alloc_bytes(10, presize=1024 * MiB) == 1024 * MiB
+    assert buffer_alloc_bytes(0) == 0
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.event.wait(timeout)
+
+
+def test_serve_ring_never_repacks_an_in_flight_slot() -> None:
+    ring = ServeRing(torch.zeros(4 * 16, dtype=torch.uint8), 4, 16)
+    handles = [_Handle() for _ in range(6)]
+    for seq in range(4):
+        slot = ring.acquire(seq, 16, 1.0, "t")
+        assert slot.data_ptr() == ring.buffer.data_ptr() + seq * 16
+        ring.in_flight(seq, handles[seq])
+    with pytest.raises(TransferStallError, match="slot 0 still holds chunk 0"):
+        ring.acquire(4, 16, 0.05, "t")
+    handles[0].event.set()
+    assert ring.acquire(4, 8, 0.05, "t").numel() == 8
+
+
+def test_free_barrier() -> None:
+    b = FreeBarrier({0: 2, 1: 1, 2: 0})
+    assert b.pop_free() == [2]
+    b.arrive(1)
+    b.arrive(0)
+    assert b.pop_free() == [1]
+    with pytest.raises(TransferStallError, match="groups \\[0\\]"):
+        b.wait_all(0.01)
+    b.arrive(0)
+    b.wait_all(0.01)
+    with pytest.raises(RuntimeError, match="unexpected"):
+        b.arrive(0)
+
+
+def test_check_ray_rdt_version() -> None:
+    assert RDT_MIN_RAY_VERSION == "2.56.0"
+    assert check_ray_rdt_version("2.60.0") == "2.60.0"
+    with pytest.raises(RuntimeError, match="pip install -U"):
+        check_ray_rdt_version("2.55.1")
+
+
+def test_llama_tp_layout_is_what_an_engine_holds(shapes: dict[str, Any]) -> None:
+    params, routes = llama_tp_layout(shapes, 1, 2)
+    layer = "model.layers.0"
+    assert params[f"{layer}.self_attn.qkv_proj.weight"].shape == (64, 64)  # (64 + 2*32) / 2
+    assert params[f"{layer}.mlp.gate_up_proj.weight"].shape == (128, 64)
+    assert params[f"{layer}.self_attn.o_proj.weight"].shape == (64, 32)
+    assert params[f"{layer}.mlp.down_proj.weight"].shape == (64, 64)
+    assert params["model.embed_tokens.weight"].shape == (128, 64)
+    full = {n: torch.randn(s).to(d) for n, (s, d) in shapes.items()}
+    want = expected_params(params, routes, full)
+    q = full[f"{layer}.self_attn.q_proj.weight"]
+    assert torch.equal(want[f"{layer}.self_attn.qkv_proj.weight"][:32], q[32:])
+    for name, targets in routes.items():  # the bake reproduces the real loaders
+        for pname, loader in targets:
+            dest = torch.zeros_like(params[pname])
+            for copy in bake(loader, shapes[name][0], shapes[name][1], dest):
+                replay(dest, copy.dest_chain).copy_(replay(full[name], copy.src_chain))
+            if pname.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+                continue  # fused: filled by several names
+            assert tensor_digest(dest) == tensor_digest(want[pname]), name
+
+
+# -- multi-process syncs -------------------------------------------------------------------------
+def _launch(
+    n: int, timeout: float = 90.0, task: type = LlamaTransferTask, **kw: Any
+) -> list[dict[str, Any]]:
+    return MPLauncher(n, timeout=timeout).launch(
+        task_type=task,
+        coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
+        communicator_type=CommunicatorType.TORCH_DISTRIBUTED,
+        device="cpu",
+        **{"coordinator_options": {"timeout": 60.0}, **kw},
+    )
+
+
+def _assert_verified(results: list[dict[str, Any]], syncs: int) -> None:
+    consumers = [r for r in results if r["role"] == "consumer"]
+    assert consumers
+    for r in consumers:
+        assert len(r["outputs"]) == syncs
+        assert all(o["verified"] for o in r["outputs"]), r["outputs"]
+
+
+@distributed_test(timeout=120)
+def test_sync_llama_tp2_two_replicas(shapes: dict[str, Any]) -> None:
+    results = _launch(
+        6,
+        num_producers=2,
+        num_consumers=4,
+        syncs=3,
+        shapes=shapes,
+        config=TransferConfig(workers_per_replica=2),
+    )
+    _assert_verified(results, 3)
+    summary = summarize(results)
+    # every consumer receives only its shard: about half the model per TP rank
+    model_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in shapes.values())
+    per_consumer = summary["bytes_per_sync"] / 4
+    assert 0.45 * model_bytes < per_consumer < 0.6 * model_bytes
+    assert summary["verified"] and summary["path"] == "send_recv"
+
+
+@distributed_test(timeout=120)
+def test_sync_pipeline_stage_producers_deep_ring_many_chunks(shapes: dict[str, Any]) -> None:
+    config = TransferConfig(ring_slots=8, max_chunk_bytes=4096, align=512)
+    results = _launch(
+        4, num_producers=2, num_consumers=2, syncs=3, shapes=shapes, stages=True, config=config
+    )
+    _assert_verified(results, 3)
+    producers = [r for r in results if r["role"] == "producer"]
+    assert all(r["syncs"][0]["chunks"] > 8 for r in producers)  # ring deeper than groups, wraps
+
+
+@distributed_test(timeout=150)
+def test_sync_real_hf_llama_module() -> None:
+    results = _launch(
+        3,
+        timeout=140,
+        num_producers=1,
+        num_consumers=2,
+        syncs=2,
+        hf_module=True,
+        shapes=None,
+    )
+    _assert_verified(results, 2)
+
+
+class SpoofingConsumer(WeightConsumer):
+    """Consumer 0 asks for a cast (``to``); consumer 1 for a name the producer does not serve."""
+
+    def _bake(self, index: Any) -> Any:
+        requests, dests = super()._bake(index)
+        if self.consumer_id == 0:
+            r = requests[0]
+            requests[0] = Request(r.name, (("to", ("cpu",)),), r.shape, r.dtype)
+        else:
+            requests[0] = Request("model.secret", (), requests[0].shape, requests[0].dtype)
+        return requests, dests
+
+
+class SpoofTask(LlamaTransferTask):
+    consumer_class = SpoofingConsumer
+
+
+@distributed_test(timeout=120)
+def test_producer_refuses_spoofed_chains_and_unserved_names(shapes: dict[str, Any]) -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        _launch(3, task=SpoofTask, num_producers=1, num_consumers=2, shapes=shapes)
+    text = str(info.value)
+    assert "op 'to' is not allowed" in text
+    assert "'model.secret', which it does not hold; refusing" in text
+    assert time.monotonic() - start < 60
+
+
+class MisconfiguredConsumer(WeightConsumer):
+    """This consumer was deployed with another chunk size than the producers."""
+
+    def __init__(self, *args: Any, config: TransferConfig, **kw: Any) -> None:
+        super().__init__(*args, config=TransferConfig(max_chunk_bytes=1024), **kw)
+
+
+class MismatchTask(LlamaTransferTask):
+    consumer_class = MisconfiguredConsumer
+
+
+@distributed_test(timeout=120)
+def test_differing_plans_fail_at_setup(shapes: dict[str, Any]) -> None:
+    with pytest.raises(LaunchError, match="derived different plans"):
+        _launch(2, task=MismatchTask, num_producers=1, num_consumers=1, shapes=shapes)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch_halves(
+    port: int, producer_task: type, consumer_task: type, timeout: float, **kw: Any
+) -> tuple[Any, Any]:
+    """A trainer launch and an inference launch that meet at 127.0.0.1:port."""
+    out: dict[str, Any] = {}
+
+    def run(role: str, n: int, task: type) -> None:
+        join = JoinSpec(host="127.0.0.1", port=port, role=role, num_producers=1, num_consumers=2)
+        try:
+            out[role] = _launch(n, timeout=timeout, task=task, join=join, **kw)
+        except Exception as exc:  # handed to the test
+            out[role] = exc
+
+    threads = [
+        threading.Thread(target=run, args=("producer", 1, producer_task)),
+        threading.Thread(target=run, args=("consumer", 2, consumer_task)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return out.get("producer"), out.get("consumer")
+
+
+@distributed_test(timeout=120)
+def test_two_launches_meet_at_host_port(shapes: dict[str, Any]) -> None:
+    producers, consumers = _launch_halves(
+        _free_port(), LlamaTransferTask, LlamaTransferTask, 90, syncs=2, shapes=shapes
+    )
+    assert isinstance(producers, list) and isinstance(consumers, list), (producers, consumers)
+    _assert_verified(consumers, 2)
+    assert producers[0]["role"] == "producer" and len(consumers) == 2
+
+
+class DyingConsumer(LlamaTransferTask):
+    """Consumer 1 dies in the middle of its second sync."""
+
+    def after_consumer_sync(self, step: int, spec: Any, **kw: Any) -> Any:
+        if step == 0 and self.coordinator.get_rank() == 2:
+            import os
+
+            os._exit(7)
+        return super().after_consumer_sync(step, spec, **kw)
+
+
+@distributed_test(timeout=120)
+def test_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]) -> None:
+    start = time.monotonic()
+    producers, consumers = _launch_halves(
+        _free_port(),
+        LlamaTransferTask,
+        DyingConsumer,
+        90,
+        syncs=3,
+        shapes=shapes,
+        config=TransferConfig(stall_timeout=5.0),
+        coordinator_options={"timeout": 20.0},
+    )
+    assert isinstance(consumers, LaunchError) and consumers.ranks == [1]
+    assert isinstance(producers, LaunchError), producers  # the trainer side ended on its own
+    assert time.monotonic() - start < 60
