@@ -33,6 +33,28 @@ class TestTorchDistributedCUDA(CommunicatorConformance):
         return int(request.param)
 
 
+class TestNixlRdtCPU(CommunicatorConformance):
+    """Point-to-point over NIXL agents; its collectives must be refused, naming other backends."""
+
+    backend = "nixl_rdt"
+    device = "cpu"
+
+    @pytest.fixture(params=[2], ids=lambda n: f"world{n}")
+    def world_size(self, request: pytest.FixtureRequest) -> int:
+        return int(request.param)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
+class TestPyNcclCUDA(CommunicatorConformance):
+    backend = "pynccl"
+    device = "cuda"
+
+    @pytest.fixture(params=_gpu_world_sizes(), ids=lambda n: f"world{n}")
+    def world_size(self, request: pytest.FixtureRequest) -> int:
+        return int(request.param)
+
+
 class CountingCommunicator(TorchDistributedCommunicator):
     """A plugin from a test module: counts its all-reduces, and stamps its results."""
 

@@ -46,11 +46,6 @@ from vllm_dist.implementations.communicators.pynccl.library import (
 )
 from vllm_dist.interfaces import BackendUnavailableError
 
-try:  # the shared suite (STYLE.md 9) lands separately; run it here as soon as it exists
-    from tests.conformance import CommunicatorConformance
-except ImportError:  # pragma: no cover - until tests/conformance.py is in main
-    CommunicatorConformance = None  # type: ignore[assignment,misc]
-
 LAUNCH_TIMEOUT = 150.0
 NO_GPU = cuda_device_count() == 0
 
@@ -623,20 +618,3 @@ def test_two_groups_of_two_are_independent(groups: list[list[int]]) -> None:
         assert (result["rank"], result["world"]) == (group.index(rank), 2)
         assert result["sum"] == float(sum(group))
         assert result["members"] == group
-
-
-# -- GPU: the shared conformance suite ---------------------------------------------------------
-if CommunicatorConformance is not None:
-
-    @pytest.mark.gpu
-    @pytest.mark.skipif(NO_GPU, reason="needs a CUDA device")
-    class TestPyNcclConformance(CommunicatorConformance):
-        backend = "pynccl"
-        device = "cuda"
-
-        @pytest.fixture(
-            params=[n for n in (1, 2, 4, 8) if n <= max(1, cuda_device_count())],
-            ids=lambda n: f"world{n}",
-        )
-        def world_size(self, request: pytest.FixtureRequest) -> int:
-            return int(request.param)
