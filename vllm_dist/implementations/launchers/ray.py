@@ -1,0 +1,457 @@
+"""RayLauncher: one Ray actor per rank, in one placement group; the multi-node launcher.
+
+A launch reserves one bundle per rank (``placement_strategy`` decides how they spread over
+nodes), starts one actor in each bundle, asks every actor where it landed (node IP, node id, GPU
+ids), derives torchrun's variables from that (``MASTER_ADDR`` is rank 0's node, ``MASTER_PORT`` a
+port found free *on that node*, local ranks counted per node), then runs the packed task in every
+actor and waits on all of them at once. The first failed rank or dead actor ends the launch; every
+actor is killed and the placement group removed before ``launch()`` returns or raises.
+
+The task travels as the bytes ``pack_launch`` makes (our cloudpickle, with dynamic modules by
+value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``.
+
+Ray is imported inside methods only: ``from vllm_dist import RayLauncher`` works without Ray, and a
+launcher built without it raises ``BackendUnavailableError`` naming the install command. Rejected
+alternatives: Ray Train's ``TorchTrainer`` (owns checkpointing and a training loop we do not
+want, and hides the actors); one Ray task per rank instead of an actor (a task cannot report its
+node before the work starts, and the rendezvous address must be known first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_dist import serialization
+from vllm_dist.implementations.launchers.common import (
+    WorkerOutcome,
+    find_free_port,
+    pack_launch,
+    run_packed_task,
+)
+from vllm_dist.interfaces import (
+    DistributedTask,
+    Launcher,
+    LaunchError,
+    LaunchTimeoutError,
+    WorkerFailure,
+    WorkerInfo,
+)
+from vllm_dist.registry import BackendUnavailableError
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_INLINE_LIMIT = 1 << 20  # packed launches above this go through the object store once
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or ``BackendUnavailableError`` saying how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"RayLauncher needs Ray, which cannot be imported here ({exc}); install it with: "
+            "pip install 'vllm_dist[ray]'"
+        ) from exc
+    return ray
+
+
+class RayLauncher(Launcher):
+    """Run a task in ``n_tasks`` Ray actors, one per rank, on a local or remote Ray cluster.
+
+    Args:
+        n_tasks: number of ranks.
+        num_gpus_per_task: GPUs reserved for each actor (fractions allowed). With exactly one GPU
+            per task, every actor sees its node's reserved GPUs ordered by local rank, so
+            ``cuda:<local rank>`` is its own GPU and peers on the node are visible (CUDA IPC,
+            NCCL P2P). Otherwise each actor keeps Ray's assignment (only its own GPUs).
+        num_cpus_per_task: CPUs reserved for each actor.
+        placement_strategy: ``PACK`` (default), ``SPREAD``, ``STRICT_PACK`` or ``STRICT_SPREAD``.
+        address: the cluster to join (``"ray://..."``, ``"host:port"``, ``"auto"``). None joins
+            the cluster this process is already connected to, else one found through
+            ``RAY_ADDRESS`` or ``ray start``, else starts a private local one for the launch.
+        runtime_env: Ray runtime environment of the actors (``{"env_vars": {...}}``, ...).
+        timeout: seconds one launch may take in all; None = no limit on the task itself.
+        startup_timeout: seconds to reserve the placement group and start the actors; a request
+            the cluster could hold but that stays pending longer fails with ``LaunchError``.
+        keep_ray: leave a Ray that this launcher connected to or started running after
+            ``launch()`` (the next launch reuses it). A Ray that was already initialized is never
+            shut down.
+    """
+
+    def __init__(
+        self,
+        n_tasks: int,
+        *,
+        num_gpus_per_task: float = 0,
+        num_cpus_per_task: float = 1,
+        placement_strategy: str = "PACK",
+        address: str | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        startup_timeout: float = 300.0,
+        keep_ray: bool = False,
+    ) -> None:
+        if not isinstance(n_tasks, int) or n_tasks < 1:
+            raise ValueError(f"n_tasks must be a positive int, got {n_tasks!r}")
+        if num_gpus_per_task < 0 or num_cpus_per_task < 0:
+            raise ValueError(
+                f"resources per task must be >= 0, got num_gpus_per_task={num_gpus_per_task!r}, "
+                f"num_cpus_per_task={num_cpus_per_task!r}"
+            )
+        if num_gpus_per_task == 0 and num_cpus_per_task == 0:
+            raise ValueError("a task must reserve some CPU or GPU: Ray refuses empty bundles")
+        if placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"placement_strategy {placement_strategy!r} is not one of {PLACEMENT_STRATEGIES}"
+            )
+        for name, value in (("timeout", timeout), ("startup_timeout", startup_timeout)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
+        import_ray()
+        self._n_tasks = n_tasks
+        self._bundle = {"CPU": float(num_cpus_per_task), "GPU": float(num_gpus_per_task)}
+        self._bundle = {k: v for k, v in self._bundle.items() if v > 0}
+        self._strategy = placement_strategy
+        self._address = address
+        self._runtime_env = dict(runtime_env) if runtime_env else None
+        self._timeout = timeout
+        self._startup_timeout = startup_timeout
+        self._keep_ray = keep_ray
+        self._actor_cls: Any = None
+
+    @property
+    def n_tasks(self) -> int:
+        return self._n_tasks
+
+    def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
+        packed = pack_launch(task_type, kwargs)
+        ray = import_ray()
+        serialization.prepare()  # now that ray.cloudpickle is loaded, register there too
+        owned = self._connect(ray)
+        try:
+            run = _Run(self, ray, time.monotonic())
+            try:
+                return run.execute(packed)
+            finally:
+                run.stop()
+        finally:
+            if owned and not self._keep_ray:
+                ray.shutdown()
+
+    def _connect(self, ray: Any) -> bool:
+        """Make sure this process is connected to Ray; True when this call connected it."""
+        if ray.is_initialized():
+            return False
+        address = self._address or _running_cluster_address()
+        if address is not None:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            needed = math.ceil(self._n_tasks * self._bundle.get("CPU", 0))
+            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+        return True
+
+    def _remote_class(self, ray: Any) -> Any:
+        if self._actor_cls is None:
+            self._actor_cls = ray.remote(_RankActor)
+        return self._actor_cls
+
+    def _request(self) -> str:
+        per_task = ", ".join(f"{k}: {v:g}" for k, v in self._bundle.items())
+        return f"{self._n_tasks} task(s) x {{{per_task}}} with placement_strategy={self._strategy}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Placement:
+    """Where one actor landed, as it reports it."""
+
+    node_ip: str
+    node_id: str
+    gpu_ids: tuple[str, ...]
+    free_port: int | None
+
+
+class _RankActor:
+    """The actor body: reports its placement, then runs one rank of a packed launch."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def __repr__(self) -> str:
+        return f"rank{self._rank}"  # Ray prefixes the actor's forwarded output with this
+
+    def placement(self, want_port: bool) -> _Placement:
+        import ray
+
+        ip = _node_ip(ray)
+        return _Placement(
+            node_ip=ip,
+            node_id=ray.get_runtime_context().get_node_id(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            free_port=find_free_port(ip) if want_port else None,
+        )
+
+    def run(self, packed: bytes, info: WorkerInfo, env: Mapping[str, str]) -> WorkerOutcome:
+        os.environ.update(env)
+        return run_packed_task(packed, info)
+
+
+class _Run:
+    """The placement group and actors of one launch, and everything needed to remove them."""
+
+    def __init__(self, launcher: RayLauncher, ray: Any, started: float) -> None:
+        self._launcher = launcher
+        self._ray = ray
+        self._run_limit = launcher._timeout
+        self._startup_limit = min(launcher._startup_timeout, launcher._timeout or math.inf)
+        self._deadline = None if self._run_limit is None else started + self._run_limit
+        self._startup_deadline = started + self._startup_limit
+        self._pg: Any = None
+        self._actors: list[Any] = []
+
+    def execute(self, packed: bytes) -> list[Any]:
+        self._reserve()
+        infos, envs = self._start_actors()
+        ray = self._ray
+        arg = ray.put(packed) if len(packed) > _INLINE_LIMIT else packed
+        refs = [a.run.remote(arg, i, e) for a, i, e in zip(self._actors, infos, envs, strict=True)]
+        outcomes = self._gather(refs, self._deadline, "run", _outcome_failure)
+        return [serialization.loads(o.payload) for o in outcomes]
+
+    def _reserve(self) -> None:
+        from ray.util.placement_group import placement_group
+
+        launcher = self._launcher
+        problem = _infeasibility(
+            launcher._bundle, launcher.n_tasks, launcher._strategy, _alive_nodes(self._ray)
+        )
+        if problem:
+            raise LaunchError(
+                [], summary=f"RayLauncher cannot place {launcher._request()}: {problem}"
+            )
+        self._pg = placement_group(
+            [dict(launcher._bundle) for _ in range(launcher.n_tasks)],
+            strategy=launcher._strategy,
+        )
+        ready, _ = self._ray.wait([self._pg.ready()], timeout=_left(self._startup_deadline))
+        if not ready:
+            raise LaunchTimeoutError(
+                [],
+                summary=f"RayLauncher could not reserve {launcher._request()} within "
+                f"{self._startup_limit:g} s: the cluster can hold it but "
+                f"other work holds the resources; available now: "
+                f"{_fmt(self._ray.available_resources())}",
+            )
+
+    def _start_actors(self) -> tuple[list[WorkerInfo], list[dict[str, str]]]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        launcher = self._launcher
+        actor_cls = launcher._remote_class(self._ray)
+        for rank in range(launcher.n_tasks):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=rank
+            )
+            options: dict[str, Any] = {
+                "num_cpus": launcher._bundle.get("CPU", 0),
+                "num_gpus": launcher._bundle.get("GPU", 0),
+                "scheduling_strategy": strategy,
+                "max_restarts": 0,
+            }
+            if launcher._runtime_env:
+                options["runtime_env"] = launcher._runtime_env
+            self._actors.append(actor_cls.options(**options).remote(rank))
+        refs = [a.placement.remote(rank == 0) for rank, a in enumerate(self._actors)]
+        placements = self._gather(refs, self._startup_deadline, "start", lambda _r, _v: None)
+        return worker_infos(placements), _visible_devices(placements, launcher._bundle)
+
+    def _gather(
+        self,
+        refs: list[Any],
+        deadline: float | None,
+        phase: str,
+        check: Callable[[int, Any], WorkerFailure | None],
+    ) -> list[Any]:
+        """Every rank's value in rank order; raises at the first failure or at ``deadline``."""
+        ray = self._ray
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        values: dict[int, Any] = {}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_left(deadline))
+            if not ready:
+                raise self._timeout_error(sorted(pending.values()), phase)
+            failures = self._take(ready, pending, values, check)
+            if failures:
+                time.sleep(0.05)  # ranks failing at about the same time are reported too
+                more, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+                failures += self._take(more, pending, values, check)
+                raise LaunchError(failures)
+        return [values[r] for r in range(len(refs))]
+
+    def _take(
+        self,
+        ready: list[Any],
+        pending: dict[Any, int],
+        values: dict[int, Any],
+        check: Callable[[int, Any], WorkerFailure | None],
+    ) -> list[WorkerFailure]:
+        failures = []
+        for ref in ready:
+            rank = pending.pop(ref)
+            try:
+                value = self._ray.get(ref, timeout=0)
+            except Exception as exc:  # noqa: BLE001 - Ray's error is the report
+                failures.append(_ray_failure(rank, exc))
+                continue
+            failure = check(rank, value)
+            if failure is not None:
+                failures.append(failure)
+            values[rank] = value
+        return failures
+
+    def _timeout_error(self, stuck: list[int], phase: str) -> LaunchTimeoutError:
+        limit = f"{self._run_limit if phase == 'run' else self._startup_limit:g} s"
+        what = "had not finished" if phase == "run" else "had not started"
+        failures = [WorkerFailure(rank=r, reason=f"{what} after {limit}") for r in stuck]
+        return LaunchTimeoutError(
+            failures,
+            summary=f"launch timed out after {limit}; rank(s) {stuck} {what} and were stopped",
+        )
+
+    def stop(self) -> None:
+        """Kill every actor and remove the placement group (both are idempotent)."""
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self._actors:
+            with contextlib.suppress(Exception):  # already dead
+                self._ray.kill(actor, no_restart=True)
+        if self._pg is not None:
+            with contextlib.suppress(Exception):  # already removed
+                remove_placement_group(self._pg)
+
+
+def _node_ip(ray: Any) -> str:
+    """The address Ray registered for this node (reachable by its peers); run in the actor."""
+    try:
+        return str(ray._private.worker.global_worker.node_ip_address)
+    except AttributeError:  # private path moved: Ray's public guess from this process
+        return str(ray.util.get_node_ip_address())
+
+
+def worker_infos(placements: Sequence[_Placement]) -> list[WorkerInfo]:
+    """torchrun's facts for every rank: local ranks counted per node, nodes numbered in order."""
+    master = placements[0]
+    assert master.free_port is not None, "rank 0 reports the rendezvous port"
+    node_ranks: dict[str, int] = {}
+    members: dict[str, list[int]] = {}
+    for rank, p in enumerate(placements):
+        node_ranks.setdefault(p.node_id, len(node_ranks))
+        members.setdefault(p.node_id, []).append(rank)
+    return [
+        WorkerInfo(
+            rank=rank,
+            world_size=len(placements),
+            local_rank=members[p.node_id].index(rank),
+            local_world_size=len(members[p.node_id]),
+            master_addr=master.node_ip,
+            master_port=master.free_port,
+            node_rank=node_ranks[p.node_id],
+        )
+        for rank, p in enumerate(placements)
+    ]
+
+
+def _visible_devices(
+    placements: Sequence[_Placement], bundle: Mapping[str, float]
+) -> list[dict[str, str]]:
+    """Per-rank environment that makes ``cuda:<local rank>`` the actor's own GPU.
+
+    Only with one GPU per task: each actor then sees its node's reserved GPUs in local-rank order.
+    """
+    if bundle.get("GPU", 0) != 1:
+        return [{} for _ in placements]
+    by_node: dict[str, list[str]] = {}
+    for p in placements:
+        by_node.setdefault(p.node_id, []).extend(p.gpu_ids)
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(by_node[p.node_id])} for p in placements]
+
+
+def _infeasibility(
+    bundle: Mapping[str, float], n: int, strategy: str, nodes: Sequence[Mapping[str, float]]
+) -> str:
+    """Why ``n`` copies of ``bundle`` can never be placed on ``nodes``; empty when they can."""
+
+    def capacity(node: Mapping[str, float]) -> int:
+        return min(int(node.get(k, 0.0) / v + 1e-9) for k, v in bundle.items())
+
+    caps = [capacity(node) for node in nodes]
+    if strategy == "STRICT_PACK":
+        ok = max(caps, default=0) >= n
+    elif strategy == "STRICT_SPREAD":
+        ok = sum(c >= 1 for c in caps) >= n
+    else:
+        ok = sum(caps) >= n
+    if ok:
+        return ""
+    totals = {k: sum(node.get(k, 0.0) for node in nodes) for k in bundle}
+    largest = max(nodes, key=capacity, default={})
+    return (
+        f"the cluster has {_fmt(totals)} in all over {len(nodes)} alive node(s) "
+        f"(largest node: {_fmt({k: largest.get(k, 0.0) for k in bundle})}), room for "
+        f"{sum(caps)} such task(s); ask for less or add nodes"
+    )
+
+
+def _alive_nodes(ray: Any) -> list[dict[str, float]]:
+    return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+
+
+def _running_cluster_address() -> str | None:
+    """The address of a cluster found through ``RAY_ADDRESS`` or ``ray start``, else None."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:  # a Ray without this helper: start a private cluster
+        return None
+    try:
+        return canonicalize_bootstrap_address(None)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - nothing usable is running
+        return None
+
+
+def _outcome_failure(rank: int, outcome: WorkerOutcome) -> WorkerFailure | None:
+    if outcome.ok:
+        return None
+    return WorkerFailure(rank=rank, reason="raised an exception", traceback=outcome.traceback)
+
+
+def _ray_failure(rank: int, exc: Exception) -> WorkerFailure:
+    """A failure from Ray itself: a dead actor, a runtime_env that failed to set up, ..."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(exc, RayActorError):
+        detail = " ".join(str(exc).split())
+        detail = detail.split(" Some common causes include", 1)[0]  # Ray's generic advice
+        return WorkerFailure(
+            rank=rank,
+            reason=f"actor died before returning a result (Ray does not report a worker's exit "
+            f"code or signal; its output and Ray's logs do): {detail}",
+        )
+    if isinstance(exc, RayTaskError):
+        return WorkerFailure(rank=rank, reason="raised an exception in Ray", traceback=str(exc))
+    return WorkerFailure(rank=rank, reason=f"{type(exc).__name__}: {_first_lines(str(exc))}")
+
+
+def _first_lines(text: str, n: int = 3) -> str:
+    return " ".join(line.strip() for line in text.strip().splitlines()[:n])
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
