@@ -7,7 +7,6 @@ Needs a ``TorchDistributedCoordinator``: both live in one torch.distributed worl
 
 from __future__ import annotations
 
-import datetime
 from typing import Any, ClassVar
 
 import torch
@@ -20,7 +19,10 @@ from vllm_dist.implementations.communicators.common import (
     gathered_shape,
     scattered_shape,
 )
-from vllm_dist.implementations.coordinators.torch_distributed import TorchDistributedCoordinator
+from vllm_dist.implementations.coordinators.torch_distributed import (
+    TorchDistributedCoordinator,
+    new_torch_group,
+)
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoordinator
 
 _TORCH_OPS = {
@@ -67,12 +69,10 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             if not dist.is_nccl_available():
                 raise RuntimeError("this torch build has no NCCL; use a CUDA build of torch")
             torch.cuda.set_device(self._device)
-        self._group: dist.ProcessGroup | None = dist.new_group(
+        self._group: dist.ProcessGroup | None = new_torch_group(
             coordinator.get_global_ranks(),
-            backend=self._backend,
-            timeout=datetime.timedelta(seconds=coordinator.timeout),
-            use_local_synchronization=True,
-            sort_ranks=False,  # group rank i is ranks[i], as given
+            self._backend,
+            coordinator.timeout,
             device_id=self._device if self._backend == "nccl" else None,
         )
 

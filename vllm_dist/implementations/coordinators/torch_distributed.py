@@ -10,9 +10,11 @@ never reads a rank from it: every rank here comes from the ``WorkerInfo`` it was
 from __future__ import annotations
 
 import datetime
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from vllm_dist.interfaces import CoordinatorTimeoutError, WorkerCoordinator, WorkerInfo
@@ -133,13 +135,7 @@ class TorchDistributedCoordinator(WorkerCoordinator):
         global_ranks = [self._global_ranks[r] for r in ranks]
         child = TorchDistributedCoordinator(self._info, timeout=self._timeout)
         child._global_ranks = global_ranks
-        child._group = dist.new_group(
-            global_ranks,
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=self._timeout),
-            use_local_synchronization=True,
-            sort_ranks=False,  # group rank i is ranks[i], as given
-        )
+        child._group = new_torch_group(global_ranks, "gloo", self._timeout)
         self._children.append(child)
         return child
 
@@ -178,6 +174,36 @@ def check_group_ranks(ranks: list[int], world_size: int, my_rank: int) -> None:
         raise ValueError(f"group ranks {bad} are outside the world of {world_size}")
     if my_rank not in ranks:
         raise ValueError(f"rank {my_rank} is not in group {ranks}; only members build a group")
+
+
+def new_torch_group(
+    global_ranks: list[int], backend: str, timeout: float, device_id: Any = None
+) -> dist.ProcessGroup:
+    """A torch.distributed group whose rank i is ``global_ranks[i]``, built by its members only.
+
+    torch builds without ``sort_ranks`` (2.11 and older) order a group by global rank; there an
+    unsorted ``global_ranks`` is refused rather than silently renumbered.
+    """
+    options: dict[str, Any] = {}
+    params = inspect.signature(dist.new_group).parameters
+    if "sort_ranks" in params:
+        options["sort_ranks"] = False
+    elif global_ranks != sorted(global_ranks):
+        raise ValueError(
+            f"torch {torch.__version__} orders group ranks by global rank, so group "
+            f"{global_ranks} cannot keep its order; list the ranks sorted or upgrade torch"
+        )
+    if device_id is not None and "device_id" in params:
+        options["device_id"] = device_id
+    group = dist.new_group(
+        global_ranks,
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout),
+        use_local_synchronization=True,
+        **options,
+    )
+    assert group is not None
+    return group
 
 
 def _host(addr: str) -> str:

@@ -37,10 +37,12 @@ from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.ops import (
     Loader,
+    OpChain,
     UnsafeOpError,
     bake,
     check_chain,
     replay,
+    split_for_wire,
 )
 from vllm_dist.tasks.weight_transfer.plan import (
     Chunk,
@@ -109,6 +111,8 @@ class TransferConfig:
         stall_timeout: seconds any wait on a peer may take before ``TransferStallError``.
         workers_per_replica: consumers per inference replica (0 = one replica).
         presize_bytes: serve buffers are at least this large (``buffer_alloc_bytes``).
+        direct_bytes: items this large travel alone, straight from the source view and into
+            the destination view where those are contiguous (no pack / unpack copy).
     """
 
     ring_slots: int = 2
@@ -117,6 +121,7 @@ class TransferConfig:
     stall_timeout: float = 60.0
     workers_per_replica: int = 0
     presize_bytes: int = 0
+    direct_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         self.layout()  # validates the layout fields
@@ -127,7 +132,10 @@ class TransferConfig:
 
     def layout(self) -> LayoutConfig:
         return LayoutConfig(
-            align=self.align, max_chunk_bytes=self.max_chunk_bytes, ring_slots=self.ring_slots
+            align=self.align,
+            max_chunk_bytes=self.max_chunk_bytes,
+            ring_slots=self.ring_slots,
+            direct_bytes=self.direct_bytes,
         )
 
 
@@ -181,6 +189,7 @@ class _Pair:
     ring: ServeRing | None = None
     worker: SerialWorker | None = None
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
+    prefixes: list[OpChain] = field(default_factory=list)
 
 
 def _one_sided(communicator: DeviceCommunicator) -> bool:
@@ -316,14 +325,15 @@ class WeightProducer(_Engine):
                 "(model, TransferConfig, workers_per_replica, or held names); deploy both sides "
                 "from the same configuration"
             )
-        slot = slot_bytes(chunks, self.producer_id)
+        slot = slot_bytes(chunks, self.producer_id, self.layout.align)
         ring_bytes = slot * self.layout.ring_slots
         if nbytes != ring_bytes:
             raise PlanMismatchError(
                 f"consumer {cid} reserved {nbytes} B of serve ring but the plan needs {ring_bytes}"
             )
         pair = _Pair(peer_rank=crank, chunks=chunks, requests=requests, slot_bytes=slot)
-        pair.items = [(dtype_from_str(r.dtype), r.shape, r.nbytes) for r in requests]
+        pair.items = [(dtype_from_str(r.dtype), _wire(r), r.nbytes) for r in requests]
+        pair.prefixes = [split_for_wire(r.chain)[0] for r in requests]
         if chunks:
             alloc = buffer_alloc_bytes(ring_bytes, self.config.presize_bytes)
             buf = torch.empty(alloc, dtype=torch.uint8, device=self.communicator.device)
@@ -361,10 +371,12 @@ class WeightProducer(_Engine):
                     f"of shape {meta.shape}: {exc}"
                 ) from exc
             self._checked[key] = shape
-        if shape != tuple(req.shape) or req.dtype != meta.dtype:
+        wire = _wire_shape(meta.shape, meta.torch_dtype, req.chain, shape)
+        if shape != tuple(req.shape) or req.dtype != meta.dtype or req.wire_shape != wire:
             raise UnsafeOpError(
                 f"consumer {cid}: {req.name!r} through {req.chain!r} is {shape} {meta.dtype}, "
-                f"but the request claims {req.shape} {req.dtype}"
+                f"(wire shape {wire}), but the request claims {req.shape} {req.dtype} "
+                f"(wire shape {req.wire_shape})"
             )
         return req
 
@@ -401,12 +413,16 @@ class WeightProducer(_Engine):
             pair = self._pairs[cid]
             chunk = pair.chunks[i]
             assert pair.ring is not None and pair.worker is not None
-            what = f"producer {self.producer_id} -> consumer {cid}"
-            slot = pair.ring.acquire(chunk.seq, chunk.nbytes, timeout, what)
-            self._pack(slot, pair, chunk, opened[g])
-            handle = pair.worker.submit(_sender(self.communicator, slot, pair.peer_rank))
+            direct = self._direct_view(pair, chunk, opened[g])
+            if direct is not None:
+                handle = pair.worker.submit(_sender(self.communicator, direct, pair.peer_rank))
+            else:
+                what = f"producer {self.producer_id} -> consumer {cid}"
+                slot = pair.ring.acquire(chunk.seq, chunk.nbytes, timeout, what)
+                self._pack(slot, pair, chunk, opened[g])
+                handle = pair.worker.submit(_sender(self.communicator, slot, pair.peer_rank))
+                pair.ring.in_flight(chunk.seq, handle)
             handle.add_done_callback(_arrival(barrier, g))
-            pair.ring.in_flight(chunk.seq, handle)
             moved += chunk.nbytes
         for cid, pair in self._pairs.items():
             if pair.ring is not None:
@@ -426,16 +442,44 @@ class WeightProducer(_Engine):
                 self.source.release_group(self._group_names[g])
 
     @staticmethod
+    def _direct_view(
+        pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The source bytes of a one-item chunk when they are contiguous: sent without a pack."""
+        if len(chunk.items) != 1:
+            return None
+        i = chunk.items[0]
+        view = replay(tensors[pair.requests[i].name], pair.prefixes[i])
+        return _as_bytes(view) if view.is_contiguous() else None
+
+    @staticmethod
     def _pack(
         slot: torch.Tensor, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
     ) -> None:
         dsts, srcs = [], []
         for i, off in zip(chunk.items, chunk.offsets, strict=True):
-            req = pair.requests[i]
             dtype, shape, nbytes = pair.items[i]
             dsts.append(slot[off : off + nbytes].view(dtype).view(shape))
-            srcs.append(replay(tensors[req.name], req.chain))
+            srcs.append(replay(tensors[pair.requests[i].name], pair.prefixes[i]))
         torch._foreach_copy_(dsts, srcs)
+
+
+def _wire(req: Request) -> tuple[int, ...]:
+    return req.shape if req.wire_shape is None else req.wire_shape
+
+
+def _wire_shape(
+    shape: tuple[int, ...], dtype: torch.dtype, chain: OpChain, out: tuple[int, ...]
+) -> tuple[int, ...]:
+    prefix, suffix = split_for_wire(chain)
+    if not suffix:
+        return out
+    return tuple(replay(torch.empty(shape, dtype=dtype, device="meta"), prefix).shape)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (what travels on the wire)."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _arrival(barrier: FreeBarrier, g: int) -> Callable[[Any], None]:
@@ -515,7 +559,8 @@ class WeightConsumer(_Engine):
                     raise KeyError(f"route({name!r}) names parameter {param_name!r}, not in params")
                 dest = self.params[param_name]
                 for copy in bake(loader, meta.shape, meta.torch_dtype, dest, name):
-                    requests.append(Request(name, copy.src_chain, copy.shape, meta.dtype))
+                    wire = _wire_shape(meta.shape, meta.torch_dtype, copy.src_chain, copy.shape)
+                    requests.append(Request(name, copy.src_chain, copy.shape, meta.dtype, wire))
                     dests.append((param_name, copy.dest_chain))
         return requests, dests
 
@@ -550,7 +595,7 @@ class WeightConsumer(_Engine):
                     self.consumer_id, p, self.requests, self.chunks, router, self.layout
                 )
             self.coordinator.send_object(("plan", self.consumer_id, payload), prank)
-            reserve[p] = slot_bytes(self.chunks, p) * self.layout.ring_slots
+            reserve[p] = slot_bytes(self.chunks, p, self.layout.align) * self.layout.ring_slots
         router.reserve_serve_buffers(reserve, digests)
 
     def _control(self, rank: int) -> Callable[..., None]:
@@ -564,7 +609,7 @@ class WeightConsumer(_Engine):
             chunks = [c for c in self.chunks if c.producer == p]
             if not chunks:
                 continue
-            slot = slot_bytes(chunks, p)
+            slot = slot_bytes(chunks, p, self.layout.align)
             nbytes = slot * self.layout.ring_slots
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.communicator.device)
             self._pairs[p] = _Pair(
@@ -575,7 +620,9 @@ class WeightConsumer(_Engine):
                 ring=ServeRing(buf, self.layout.ring_slots, slot),
                 worker=SerialWorker(f"wt-recv-p{p}"),
             )
-        self._items = [(dtype_from_str(r.dtype), r.shape, r.nbytes) for r in self.requests]
+        self._items = [(dtype_from_str(r.dtype), _wire(r), r.nbytes) for r in self.requests]
+        self._suffixes = [split_for_wire(r.chain)[1] for r in self.requests]
+        self._direct = [self._direct_dest(c) for c in self.chunks]
         k = self.layout.ring_slots
         last: dict[tuple[int, int], int] = {}
         self._prev_in_slot: list[int] = []
@@ -599,7 +646,8 @@ class WeightConsumer(_Engine):
                 issued += 1
             what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
             wait_or_stall(handles[i], timeout, what)
-            self._unpack(slots[i], chunk)
+            if self._direct[i] is None:
+                self._unpack(slots[i], chunk)
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=sum(c.nbytes for c in self.chunks),
@@ -611,16 +659,29 @@ class WeightConsumer(_Engine):
         chunk = self.chunks[j]
         pair = self._pairs[chunk.producer]
         assert pair.ring is not None and pair.worker is not None
-        k = pair.ring.slots
-        start = (chunk.seq % k) * pair.slot_bytes
-        slot = pair.ring.buffer[start : start + chunk.nbytes]
-        handles.append(pair.worker.submit(_receiver(self.communicator, slot, pair.peer_rank)))
-        slots.append(slot)
+        direct = self._direct[j]
+        if direct is not None:
+            target = direct
+        else:
+            start = (chunk.seq % pair.ring.slots) * pair.slot_bytes
+            target = pair.ring.buffer[start : start + chunk.nbytes]
+        handles.append(pair.worker.submit(_receiver(self.communicator, target, pair.peer_rank)))
+        slots.append(target)
+
+    def _direct_dest(self, chunk: Chunk) -> torch.Tensor | None:
+        """A one-item chunk's destination bytes when it is contiguous and of the wire dtype."""
+        if len(chunk.items) != 1:
+            return None
+        i = chunk.items[0]
+        dest = self._dests[i]
+        if not self._suffixes[i] and dest.is_contiguous() and dest.dtype == self._items[i][0]:
+            return _as_bytes(dest)
+        return None
 
     def _unpack(self, slot: torch.Tensor, chunk: Chunk) -> None:
         dsts, srcs = [], []
         for i, off in zip(chunk.items, chunk.offsets, strict=True):
             dtype, shape, nbytes = self._items[i]
-            srcs.append(slot[off : off + nbytes].view(dtype).view(shape))
+            srcs.append(replay(slot[off : off + nbytes].view(dtype).view(shape), self._suffixes[i]))
             dsts.append(self._dests[i])
         torch._foreach_copy_(dsts, srcs)

@@ -122,6 +122,23 @@ def replay(tensor: torch.Tensor, chain: OpChain) -> torch.Tensor:
     return out
 
 
+_LAYOUT_OPS = frozenset({"t", "transpose", "permute", "contiguous"})
+
+
+def split_for_wire(chain: OpChain) -> tuple[OpChain, OpChain]:
+    """(prefix, suffix): the producer packs ``prefix``; the consumer applies ``suffix`` on unpack.
+
+    The suffix is the trailing run of pure re-layout ops (``t``, ``transpose``, ``permute``,
+    ``contiguous``). A transposing copy is the slowest pack there is (strided reads); leaving it
+    to the consumer spreads it over the consumers instead of serialising it on the producer, and
+    the bytes on the wire are the same size either way.
+    """
+    cut = len(chain)
+    while cut and chain[cut - 1][0] in _LAYOUT_OPS:
+        cut -= 1
+    return chain[:cut], chain[cut:]
+
+
 def check_chain(chain: Any) -> OpChain:
     """``chain`` if every op is allowed and every argument plain data, else ``UnsafeOpError``."""
     if not isinstance(chain, tuple):

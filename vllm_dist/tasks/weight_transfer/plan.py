@@ -6,7 +6,9 @@ the shape and dtype of the result). Items are cut into *chunks* per gather group
 ``max_chunk_bytes``. Each chunk has a byte-exact pack layout: items at offsets aligned to
 ``align`` bytes, so a producer packs with ``copy_`` into views of one buffer and a consumer
 unpacks from views of the same layout. Chunk ``seq`` counts the chunks of one
-(producer, consumer) pair in issue order; it picks the serve-ring slot ``seq % K``.
+(producer, consumer) pair in issue order; it picks the serve-ring slot ``seq % K``. An item of
+at least ``direct_bytes`` is a chunk of its own: its wire bytes are exactly the item's, so either
+side may skip the pack or unpack copy where its view is contiguous (both still agree on bytes).
 
 Producer and consumer build the plan independently from the same inputs and compare a digest
 per pair at set-up: two deployments that disagree (router tables, layout settings, model) fail
@@ -43,12 +45,17 @@ class PlanMismatchError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One piece of one weight a consumer needs: ``replay(weight, chain)`` of ``shape``."""
+    """One piece of one weight a consumer needs: ``replay(weight, chain)`` of ``shape``.
+
+    On the wire it travels as ``replay(weight, prefix)`` of ``wire_shape`` (see
+    ``ops.split_for_wire``); the consumer applies the re-layout suffix when unpacking.
+    """
 
     name: str
     chain: OpChain
     shape: tuple[int, ...]
     dtype: str
+    wire_shape: tuple[int, ...] | None = None  # shape after the packed prefix of ``chain``
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +87,7 @@ class LayoutConfig:
     align: int = 256
     max_chunk_bytes: int = 256 << 20
     ring_slots: int = 2
+    direct_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.align < 16 or self.align & (self.align - 1):
@@ -88,6 +96,8 @@ class LayoutConfig:
             raise ValueError(f"max_chunk_bytes {self.max_chunk_bytes} is below align")
         if self.ring_slots < 1:
             raise ValueError(f"ring_slots must be >= 1, got {self.ring_slots}")
+        if self.direct_bytes < 1:
+            raise ValueError(f"direct_bytes must be >= 1, got {self.direct_bytes}")
 
 
 def _round_up(n: int, align: int) -> int:
@@ -131,13 +141,17 @@ def build_chunks(
         p = router.producer_for(consumer_id, requests[i].name)
         if producer is not None and p != producer:
             continue
-        nbytes = _round_up(requests[i].nbytes, layout.align)
-        if (g, k, p) != key or (cur and size + nbytes > layout.max_chunk_bytes):
+        nbytes = requests[i].nbytes
+        start = _round_up(size, layout.align)
+        alone = nbytes >= layout.direct_bytes
+        if (g, k, p) != key or (cur and (alone or start + nbytes > layout.max_chunk_bytes)):
             flush()
-            key = (g, k, p)
+            key, start = (g, k, p), 0
         cur.append(i)
-        offs.append(size)
-        size += nbytes
+        offs.append(start)
+        size = start + nbytes
+        if alone:
+            flush()
     flush()
     return chunks
 
@@ -159,10 +173,10 @@ def pair_digest(
         h.update(repr((c.seq, c.group, c.owner_class, c.nbytes, c.offsets)).encode())
         for i in c.items:
             r = requests[i]
-            h.update(repr((r.name, r.chain, r.shape, r.dtype)).encode())
+            h.update(repr((r.name, r.chain, r.shape, r.dtype, r.wire_shape)).encode())
     return h.hexdigest()
 
 
-def slot_bytes(chunks: Sequence[Chunk], producer: int) -> int:
-    """The serve-slot size of one pair: its largest chunk."""
-    return max((c.nbytes for c in chunks if c.producer == producer), default=0)
+def slot_bytes(chunks: Sequence[Chunk], producer: int, align: int = 256) -> int:
+    """The serve-slot size of one pair: its largest chunk, rounded up to ``align``."""
+    return _round_up(max((c.nbytes for c in chunks if c.producer == producer), default=0), align)

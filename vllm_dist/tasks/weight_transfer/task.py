@@ -161,6 +161,7 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
             engine.setup()
             stats, outputs = [], []
             for step in range(syncs):
+                self.before_consumer_sync(step, spec, **kw)
                 stats.append(engine.sync().as_dict())
                 outputs.append(self.after_consumer_sync(step, spec, **kw))
         finally:
@@ -196,6 +197,9 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
     def after_producer_sync(self, step: int, source: WeightSource, **kwargs: Any) -> Any:
         """Called on producers after sync ``step``; its value lands in the result."""
         return None
+
+    def before_consumer_sync(self, step: int, spec: ConsumerSpec, **kwargs: Any) -> None:  # noqa: B027
+        """Called on consumers before sync ``step``."""
 
     def after_consumer_sync(self, step: int, spec: ConsumerSpec, **kwargs: Any) -> Any:
         """Called on consumers after sync ``step`` (e.g. verify); its value lands in the result."""
