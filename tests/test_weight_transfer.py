@@ -242,9 +242,16 @@ def test_plan_layout_is_aligned_and_split() -> None:
     layout = LayoutConfig(align=256, max_chunk_bytes=512)
     chunks = build_chunks(0, reqs, router, layout)
     assert [(c.producer, c.group, c.seq, c.items, c.offsets, c.nbytes) for c in chunks] == [
-        (0, 0, 0, (0, 1), (0, 256), 512),
-        (0, 0, 1, (2,), (0,), 256),
-        (1, 1, 0, (3,), (0,), 256),
+        (0, 0, 0, (0, 1), (0, 256), 456),
+        (0, 0, 1, (2,), (0,), 200),
+        (1, 1, 0, (3,), (0,), 200),
+    ]
+    big = [Request(n, (), (1 << 20,), "torch.bfloat16") for n in names[:3]]  # 2 MiB: alone
+    assert [c.items for c in build_chunks(0, big + reqs[:1], router, LayoutConfig())] == [
+        (0,),
+        (1,),
+        (2,),
+        (3,),
     ]
     mine = build_chunks(0, [reqs[3]], router, layout, producer=1)
     d_consumer = pair_digest(0, 1, reqs, chunks, router, layout)
@@ -354,7 +361,8 @@ def test_sync_llama_tp2_two_replicas(shapes: dict[str, Any]) -> None:
         num_consumers=4,
         syncs=3,
         shapes=shapes,
-        config=TransferConfig(workers_per_replica=2),
+        # items of 4 KiB and up travel alone, zero-copy where the views are contiguous
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
     )
     _assert_verified(results, 3)
     summary = summarize(results)

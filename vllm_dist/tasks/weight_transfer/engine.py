@@ -190,6 +190,7 @@ class _Pair:
     worker: SerialWorker | None = None
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
+    views: dict[int, Any] = field(default_factory=dict)  # chunk index -> its views of the slot
 
 
 def _one_sided(communicator: DeviceCommunicator) -> bool:
@@ -235,6 +236,7 @@ class _Engine:
         self.index: ModelIndex | None = None
         self.setup_seconds = 0.0
         self._pairs: dict[int, _Pair] = {}
+        self._shapes = _ShapeCache()
 
     @property
     def path(self) -> str:
@@ -282,7 +284,6 @@ class WeightProducer(_Engine):
         self.producer_id = fleet.producer_ranks.index(rank)
         self.source = source
         self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
-        self._checked: dict[tuple[str, str], tuple[int, ...]] = {}
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -357,21 +358,15 @@ class WeightProducer(_Engine):
                 f"deployment routes to producer {routed}; refusing to serve it"
             )
         check_chain(req.chain)
-        key = (req.name, repr(req.chain))
-        shape = self._checked.get(key)
-        if shape is None:
-            probe = torch.empty(meta.shape, dtype=meta.torch_dtype, device="meta")
-            try:
-                shape = tuple(replay(probe, req.chain).shape)
-            except UnsafeOpError:
-                raise
-            except Exception as exc:
-                raise UnsafeOpError(
-                    f"consumer {cid}: op chain {req.chain!r} does not apply to {req.name!r} "
-                    f"of shape {meta.shape}: {exc}"
-                ) from exc
-            self._checked[key] = shape
-        wire = _wire_shape(meta.shape, meta.torch_dtype, req.chain, shape)
+        try:
+            shape, wire = self._shapes(meta.shape, meta.torch_dtype, req.chain)
+        except UnsafeOpError:
+            raise
+        except Exception as exc:
+            raise UnsafeOpError(
+                f"consumer {cid}: op chain {req.chain!r} does not apply to {req.name!r} "
+                f"of shape {meta.shape}: {exc}"
+            ) from exc
         if shape != tuple(req.shape) or req.dtype != meta.dtype or req.wire_shape != wire:
             raise UnsafeOpError(
                 f"consumer {cid}: {req.name!r} through {req.chain!r} is {shape} {meta.dtype}, "
@@ -456,11 +451,13 @@ class WeightProducer(_Engine):
     def _pack(
         slot: torch.Tensor, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
     ) -> None:
-        dsts, srcs = [], []
-        for i, off in zip(chunk.items, chunk.offsets, strict=True):
-            dtype, shape, nbytes = pair.items[i]
-            dsts.append(slot[off : off + nbytes].view(dtype).view(shape))
-            srcs.append(replay(tensors[pair.requests[i].name], pair.prefixes[i]))
+        dsts = pair.views.get(chunk.index)
+        if dsts is None:  # the slot of a chunk never moves: build its views once
+            dsts = pair.views[chunk.index] = [
+                slot[off : off + pair.items[i][2]].view(pair.items[i][0]).view(pair.items[i][1])
+                for i, off in zip(chunk.items, chunk.offsets, strict=True)
+            ]
+        srcs = [replay(tensors[pair.requests[i].name], pair.prefixes[i]) for i in chunk.items]
         torch._foreach_copy_(dsts, srcs)
 
 
@@ -468,13 +465,28 @@ def _wire(req: Request) -> tuple[int, ...]:
     return req.shape if req.wire_shape is None else req.wire_shape
 
 
-def _wire_shape(
-    shape: tuple[int, ...], dtype: torch.dtype, chain: OpChain, out: tuple[int, ...]
-) -> tuple[int, ...]:
-    prefix, suffix = split_for_wire(chain)
-    if not suffix:
-        return out
-    return tuple(replay(torch.empty(shape, dtype=dtype, device="meta"), prefix).shape)
+class _ShapeCache:
+    """(final shape, wire shape) of a weight through a chain, from meta tensors, memoised.
+
+    100,000 expert weights share a handful of (shape, dtype, chain) triples, so set-up replays
+    each triple once. One per engine: no module-level state.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[tuple[int, ...], torch.dtype, str], Any] = {}
+
+    def __call__(
+        self, shape: tuple[int, ...], dtype: torch.dtype, chain: OpChain
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        key = (tuple(shape), dtype, repr(chain))
+        hit = self._memo.get(key)
+        if hit is None:
+            probe = torch.empty(shape, dtype=dtype, device="meta")
+            prefix, suffix = split_for_wire(chain)
+            wire = replay(probe, prefix) if prefix else probe
+            out = replay(wire, suffix) if suffix else wire
+            hit = self._memo[key] = (tuple(out.shape), tuple(wire.shape))
+        return hit  # type: ignore[no-any-return]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -527,6 +539,7 @@ class WeightConsumer(_Engine):
         self.chunks: list[Chunk] = []
         self.requests: list[Request] = []
         self._dests: list[torch.Tensor] = []
+        self._unpack_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.bake_seconds = 0.0
 
     # -- set-up --------------------------------------------------------------------------------
@@ -552,14 +565,15 @@ class WeightConsumer(_Engine):
         """Run the loader of every needed weight on fakes; the requests and their destinations."""
         requests: list[Request] = []
         dests: list[tuple[str, Any]] = []
+        metas: dict[Any, torch.Tensor] = {}
         for name in index.names:
             meta = index.meta[name]
             for param_name, loader in self.route(name):
                 if param_name not in self.params:
                     raise KeyError(f"route({name!r}) names parameter {param_name!r}, not in params")
                 dest = self.params[param_name]
-                for copy in bake(loader, meta.shape, meta.torch_dtype, dest, name):
-                    wire = _wire_shape(meta.shape, meta.torch_dtype, copy.src_chain, copy.shape)
+                for copy in bake(loader, meta.shape, meta.torch_dtype, dest, name, metas):
+                    _, wire = self._shapes(meta.shape, meta.torch_dtype, copy.src_chain)
                     requests.append(Request(name, copy.src_chain, copy.shape, meta.dtype, wire))
                     dests.append((param_name, copy.dest_chain))
         return requests, dests
@@ -679,9 +693,12 @@ class WeightConsumer(_Engine):
         return None
 
     def _unpack(self, slot: torch.Tensor, chunk: Chunk) -> None:
-        dsts, srcs = [], []
-        for i, off in zip(chunk.items, chunk.offsets, strict=True):
-            dtype, shape, nbytes = self._items[i]
-            srcs.append(replay(slot[off : off + nbytes].view(dtype).view(shape), self._suffixes[i]))
-            dsts.append(self._dests[i])
-        torch._foreach_copy_(dsts, srcs)
+        views = self._unpack_views.get(chunk.index)
+        if views is None:  # the slot of a chunk never moves: build its views once
+            srcs = []
+            for i, off in zip(chunk.items, chunk.offsets, strict=True):
+                dtype, shape, nbytes = self._items[i]
+                wire = slot[off : off + nbytes].view(dtype).view(shape)
+                srcs.append(replay(wire, self._suffixes[i]))
+            views = self._unpack_views[chunk.index] = ([self._dests[i] for i in chunk.items], srcs)
+        torch._foreach_copy_(*views)

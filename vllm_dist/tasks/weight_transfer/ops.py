@@ -82,18 +82,22 @@ def bake(
     src_dtype: torch.dtype,
     dest: torch.Tensor,
     name: str = "?",
+    meta_cache: dict[Any, torch.Tensor] | None = None,
 ) -> list[Copy]:
     """Run ``loader(dest, src)`` on fakes of ``dest`` and of a ``src_shape`` weight.
 
-    Returns the copies it made (often one; fused loaders may make several).
+    Returns the copies it made (often one; fused loaders may make several). ``meta_cache``
+    (a dict the caller keeps) reuses meta tensors across calls: baking 100,000 weights of a few
+    shapes then allocates a few meta tensors instead of 200,000.
 
     Raises:
         BakeError: the loader used an op that is not an allowed view, called something that needs
             real data, or copied tensors of different shapes. The message names the weight.
     """
     tape: list[Copy] = []
-    src = _Fake(torch.empty(tuple(src_shape), dtype=src_dtype, device="meta"), (), "src", tape)
-    dst = _Fake(torch.empty(dest.shape, dtype=dest.dtype, device="meta"), (), "dest", tape)
+    cache = {} if meta_cache is None else meta_cache
+    src = _Fake(_meta(cache, tuple(src_shape), src_dtype), (), "src", tape)
+    dst = _Fake(_meta(cache, tuple(dest.shape), dest.dtype), (), "dest", tape)
     try:
         loader(dst, src)
     except BakeError as exc:
@@ -105,6 +109,15 @@ def bake(
             f"{type(exc).__name__}: {exc}"
         ) from exc
     return tape
+
+
+def _meta(
+    cache: dict[Any, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    t = cache.get((shape, dtype))
+    if t is None:
+        t = cache[(shape, dtype)] = torch.empty(shape, dtype=dtype, device="meta")
+    return t
 
 
 def replay(tensor: torch.Tensor, chain: OpChain) -> torch.Tensor:
