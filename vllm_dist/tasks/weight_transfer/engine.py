@@ -3,9 +3,10 @@
 Both take a coordinator (control plane) and a communicator (data plane) that span the fleet,
 plus a ``Fleet`` naming which of the coordinator's ranks are producers and which consumers; they
 do not care whether that group came from one launch or from two launches that met at a
-host:port. Backends are never named: where the communicator declares ``CommOp.READ`` and
-implements ``OneSidedCommunicator`` the consumer reads each packed chunk out of the producer's
-serve ring; otherwise the producer sends it (``send``/``recv``, the CPU path).
+host:port. Backends are never named. Today every chunk moves with ``send``/``recv`` (every
+built-in communicator has them; NIXL_RDT implements them over one-sided WRITE). The one-sided
+READ path — the consumer reads packed chunks straight out of the producer's serve ring — is
+specified by ``OneSidedCommunicator`` below and not wired yet.
 
 Set-up, collective over the coordinator:
 1. producers all-gather their metadata and held names; every rank builds the same
@@ -33,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
+from vllm_dist.interfaces import DeviceCommunicator, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.ops import (
     Loader,
@@ -77,27 +78,34 @@ class WeightTransferSetupError(RuntimeError):
 class ReadHandle(Protocol):
     """An in-flight one-sided read."""
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the read completed (True) or ``timeout`` s passed (False)."""
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the read completed; False or a ``TimeoutError`` after ``timeout`` s."""
         ...
 
 
 @runtime_checkable
 class OneSidedCommunicator(Protocol):
-    """The one-sided API a communicator declaring ``CommOp.READ`` offers this task.
+    """The one-sided API the READ path will use (matches ``NixlRdtCommunicator``'s names).
 
-    ``expose`` registers a local tensor so that peers can read it under ``name`` (it may move the
-    tensor's storage into registered memory; contents are preserved). ``read`` copies
-    ``local.numel() * local.element_size()`` bytes starting at byte ``remote_offset`` of peer
-    ``peer``'s tensor exposed as ``remote_name`` into ``local``. Ranks are the communicator's
-    group ranks. A Protocol, not an ABC: a backend offers it without importing this package.
+    ``expose`` registers a local tensor so that peers can read it under ``name``;
+    ``exchange_exposed`` (collective) makes every member's exposures addressable;
+    ``read_async`` copies ``local``'s byte size starting at byte ``remote_offset`` of peer
+    ``peer``'s buffer ``remote_name`` into ``local``; ``notify`` / ``wait_notification`` carry the
+    ring's ready / done messages. Ranks are the communicator's group ranks. A Protocol, not an
+    ABC: a backend offers it without importing this package.
     """
 
-    def expose(self, tensor: torch.Tensor, name: str) -> None: ...
+    def expose(self, tensor: torch.Tensor, name: str) -> Any: ...
 
-    def read(
+    def exchange_exposed(self) -> Any: ...
+
+    def read_async(
         self, peer: int, remote_name: str, local: torch.Tensor, remote_offset: int = 0
     ) -> ReadHandle: ...
+
+    def notify(self, peer: int, message: bytes) -> None: ...
+
+    def wait_notification(self, peer: int, timeout: float | None = None) -> bytes: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,12 +201,6 @@ class _Pair:
     views: dict[int, Any] = field(default_factory=dict)  # chunk index -> its views of the slot
 
 
-def _one_sided(communicator: DeviceCommunicator) -> bool:
-    return CommOp.READ in communicator.supported_ops and isinstance(
-        communicator, OneSidedCommunicator
-    )
-
-
 def _gather_verdicts(coordinator: WorkerCoordinator, error: BaseException | None) -> None:
     """All-gather every rank's set-up error; raise this rank's own, else the first other one."""
     verdicts = coordinator.all_gather_object(
@@ -232,7 +234,6 @@ class _Engine:
         self.fleet = fleet
         self.config = config
         self.layout = config.layout()
-        self.one_sided = _one_sided(communicator)
         self.index: ModelIndex | None = None
         self.setup_seconds = 0.0
         self._pairs: dict[int, _Pair] = {}
@@ -240,7 +241,7 @@ class _Engine:
 
     @property
     def path(self) -> str:
-        return "read" if self.one_sided else "send_recv"
+        return "send_recv"  # the READ path over OneSidedCommunicator is not wired yet
 
     def _index(self, facts: ProducerFacts | None) -> ModelIndex:
         gathered = self.coordinator.all_gather_object(facts)

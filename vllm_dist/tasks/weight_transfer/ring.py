@@ -42,8 +42,15 @@ class Waitable:
 
 
 def wait_or_stall(handle: Any, timeout: float, what: str) -> None:
-    """Wait on ``handle`` (``wait(timeout)`` -> bool), raising ``TransferStallError`` on timeout."""
-    if not handle.wait(timeout):
+    """Wait on ``handle``, raising ``TransferStallError`` when ``wait(timeout)`` returns False or
+    raises ``TimeoutError`` (both conventions exist among communicators)."""
+    try:
+        finished = handle.wait(timeout) is not False
+    except TransferStallError:
+        raise
+    except TimeoutError:
+        finished = False
+    if not finished:
         raise TransferStallError(
             f"{what}: no progress within the stall timeout of {timeout} s; the peer is dead or "
             "hung (raise TransferConfig.stall_timeout if transfers are just slow)"
