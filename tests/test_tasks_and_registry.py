@@ -212,6 +212,16 @@ def test_cli_main_job(capsys) -> None:
     assert "busbw" in out
 
 
+@distributed_test(timeout=180)
+def test_cli_weight_transfer_demo(capsys) -> None:
+    rc = cli_main(
+        ["run", "weight-transfer", "--producers", "1", "--consumers", "2", "--syncs", "2"]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "verified           True" in out
+
+
 def test_cli_unknown_backend_is_a_clear_error(capsys) -> None:
     rc = cli_main(["run", "all-reduce", "--communicator", "carrier_pigeon"])
     err = capsys.readouterr().err

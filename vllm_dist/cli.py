@@ -109,22 +109,31 @@ def _all_reduce_summary(
 
 
 def cmd_weight_transfer(args: argparse.Namespace) -> int:
+    """A tiny Llama on the producers, TP consumers on the CPU over torch.distributed."""
     from vllm_dist.tasks.weight_transfer.demo import run_demo
 
     summary = run_demo(
         producers=args.producers,
         consumers=args.consumers,
-        communicator_type=args.communicator,
-        coordinator_type=args.coordinator,
-        device=args.device,
+        syncs=args.syncs,
+        tp_size=args.tp_size,
         timeout=args.timeout,
     )
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
+        print("weight transfer (tiny Llama, tensor-parallel consumers, CPU)")
         for key, value in summary.items():
-            print(f"{key:>24}: {value}")
+            print(f"  {key:<18} {_fmt(value)}")
     return 0 if summary.get("verified") else 1
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_fmt(v) for v in value)
+    return str(value)
 
 
 def _version(package: str) -> str:
@@ -206,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     wt = jobs.add_parser("weight-transfer", help="a verified trainer-to-inference weight sync")
     wt.add_argument("--producers", type=int, default=2)
     wt.add_argument("--consumers", type=int, default=2)
-    _add_backend_args(wt)
+    wt.add_argument("--syncs", type=int, default=3, help="weight updates to push and verify")
+    wt.add_argument("--tp-size", type=int, default=2, help="tensor-parallel size of each replica")
+    wt.add_argument("--timeout", type=float, default=300.0)
+    wt.add_argument("--json", action="store_true")
     wt.set_defaults(func=cmd_weight_transfer)
 
     info = sub.add_parser("info", help="versions, devices and backends")
