@@ -41,7 +41,6 @@ from vllm_dist.tasks.weight_transfer.plan import (
     build_chunks,
     pair_digest,
 )
-from vllm_dist.tasks.weight_transfer.ray_rdt import RDT_MIN_RAY_VERSION, check_ray_rdt_version
 from vllm_dist.tasks.weight_transfer.ring import (
     FreeBarrier,
     ServeRing,
@@ -55,6 +54,7 @@ from vllm_dist.tasks.weight_transfer.source import (
     stage_names,
 )
 from vllm_dist.tasks.weight_transfer.task import ConsumerSpec, JoinSpec, WeightTransferTask
+from vllm_dist.versions import RDT_MIN_RAY_VERSION, RayRdtUnavailableError, check_ray_rdt_version
 
 __all__ = [
     "ALLOWED_OPS",
@@ -72,6 +72,7 @@ __all__ = [
     "OneSidedCommunicator",
     "OpChain",
     "PlanMismatchError",
+    "RayRdtUnavailableError",
     "ProducerFacts",
     "RdtRouter",
     "ReadHandle",
