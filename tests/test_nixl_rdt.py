@@ -336,9 +336,12 @@ def test_send_recv_sizes_vram_same_gpu() -> None:
 
 
 @distributed_test(gpus=1, timeout=300)
-def test_one_sided_read_write_vram_same_gpu() -> None:
-    facts = launch(OneSidedTask, device="cuda:0")
+@pytest.mark.parametrize("cuda_ipc", [True, False], ids=["cuda_ipc", "ucx"])
+def test_one_sided_read_write_vram_same_gpu(cuda_ipc: bool) -> None:
+    facts = launch(OneSidedTask, device="cuda:0", options={"timeout": 30.0, "cuda_ipc": cuda_ipc})
     assert facts[0]["mem_type"] == "VRAM"
+    # rank 0 issued the one-sided requests: which path carried them
+    assert (facts[0]["last_xfer_backend"] == "cuda_ipc") is cuda_ipc, facts[0]
     assert facts[0][nixl_rdt.CUDA_IPC_GET_ZCOPY] in (
         "y",
         os.environ.get(nixl_rdt.CUDA_IPC_GET_ZCOPY),
