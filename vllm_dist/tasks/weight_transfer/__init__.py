@@ -9,8 +9,6 @@ send/recv otherwise).
 
 from vllm_dist.tasks.weight_transfer.engine import (
     Fleet,
-    OneSidedCommunicator,
-    ReadHandle,
     Route,
     SyncStats,
     TransferConfig,
@@ -21,6 +19,7 @@ from vllm_dist.tasks.weight_transfer.engine import (
 )
 from vllm_dist.tasks.weight_transfer.groups import layer_index, layerwise_groups
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
+from vllm_dist.tasks.weight_transfer.onesided import OneSidedCommunicator, ReadHandle
 from vllm_dist.tasks.weight_transfer.ops import (
     ALLOWED_OPS,
     BakeError,

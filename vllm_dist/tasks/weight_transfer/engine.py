@@ -3,10 +3,9 @@
 Both take a coordinator (control plane) and a communicator (data plane) that span the fleet,
 plus a ``Fleet`` naming which of the coordinator's ranks are producers and which consumers; they
 do not care whether that group came from one launch or from two launches that met at a
-host:port. Backends are never named. Today every chunk moves with ``send``/``recv`` (every
-built-in communicator has them; NIXL_RDT implements them over one-sided WRITE). The one-sided
-READ path — the consumer reads packed chunks straight out of the producer's serve ring — is
-specified by ``OneSidedCommunicator`` below and not wired yet.
+host:port. Backends are never named: a communicator that declares ``CommOp.READ`` and offers
+the ``OneSidedCommunicator`` API gets the one-sided READ path (``onesided.py``), every other one
+the send/recv push path.
 
 Set-up, collective over the coordinator:
 1. producers all-gather their metadata and held names; every rank builds the same
@@ -16,7 +15,11 @@ Set-up, collective over the coordinator:
    (``RdtRouter.reserve_serve_buffers``);
 3. each producer checks the requests (names it holds and serves, allowed ops only, shapes),
    rebuilds the pair's plan itself and compares digests;
-4. everyone all-gathers the verdicts, so a refusal anywhere fails every rank at set-up.
+4. everyone all-gathers the verdicts, so a refusal anywhere fails every rank at set-up;
+5. READ path only: producers expose their serve rings and everyone exchanges the descriptors.
+
+Sync, READ path: see ``onesided.py``; everything runs on the calling thread (a one-sided
+communicator need not be thread-safe).
 
 Sync, push path: producers walk their chunks in the fleet-wide order (group, consumer, chunk)
 and consumers receive theirs in the same order, which keeps blocking sends deadlock-free. A
@@ -28,14 +31,27 @@ group's source tensors once every chunk of it has been delivered.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
-from vllm_dist.interfaces import DeviceCommunicator, WorkerCoordinator
+from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
+from vllm_dist.tasks.weight_transfer.onesided import (
+    OneSidedCommunicator,
+    device_synchronize,
+    done_message,
+    parse_done,
+    parse_ready,
+    poll_message,
+    ready_message,
+    ring_name,
+    wait_message,
+    wait_read,
+)
 from vllm_dist.tasks.weight_transfer.ops import (
     Loader,
     OpChain,
@@ -75,39 +91,6 @@ class WeightTransferSetupError(RuntimeError):
     """Set-up failed on another rank of the fleet; the message carries that rank's reason."""
 
 
-class ReadHandle(Protocol):
-    """An in-flight one-sided read."""
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the read completed; False or a ``TimeoutError`` after ``timeout`` s."""
-        ...
-
-
-@runtime_checkable
-class OneSidedCommunicator(Protocol):
-    """The one-sided API the READ path will use (matches ``NixlRdtCommunicator``'s names).
-
-    ``expose`` registers a local tensor so that peers can read it under ``name``;
-    ``exchange_exposed`` (collective) makes every member's exposures addressable;
-    ``read_async`` copies ``local``'s byte size starting at byte ``remote_offset`` of peer
-    ``peer``'s buffer ``remote_name`` into ``local``; ``notify`` / ``wait_notification`` carry the
-    ring's ready / done messages. Ranks are the communicator's group ranks. A Protocol, not an
-    ABC: a backend offers it without importing this package.
-    """
-
-    def expose(self, tensor: torch.Tensor, name: str) -> Any: ...
-
-    def exchange_exposed(self) -> Any: ...
-
-    def read_async(
-        self, peer: int, remote_name: str, local: torch.Tensor, remote_offset: int = 0
-    ) -> ReadHandle: ...
-
-    def notify(self, peer: int, message: bytes) -> None: ...
-
-    def wait_notification(self, peer: int, timeout: float | None = None) -> bytes: ...
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TransferConfig:
     """Settings of one weight-transfer deployment (producers and consumers must agree).
@@ -121,6 +104,8 @@ class TransferConfig:
         presize_bytes: serve buffers are at least this large (``buffer_alloc_bytes``).
         direct_bytes: items this large travel alone, straight from the source view and into
             the destination view where those are contiguous (no pack / unpack copy).
+        transport: ``"auto"`` (one-sided READ where the communicator offers it, else
+            send/recv), ``"read"`` (refuse a communicator without READ) or ``"send_recv"``.
     """
 
     ring_slots: int = 2
@@ -130,9 +115,14 @@ class TransferConfig:
     workers_per_replica: int = 0
     presize_bytes: int = 0
     direct_bytes: int = 1 << 20
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         self.layout()  # validates the layout fields
+        if self.transport not in ("auto", "read", "send_recv"):
+            raise ValueError(
+                f"transport must be 'auto', 'read' or 'send_recv', got {self.transport!r}"
+            )
         if self.stall_timeout <= 0:
             raise ValueError(f"stall_timeout must be positive, got {self.stall_timeout}")
         if self.workers_per_replica < 0 or self.presize_bytes < 0:
@@ -196,6 +186,8 @@ class _Pair:
     slot_bytes: int
     ring: ServeRing | None = None
     worker: SerialWorker | None = None
+    remote_name: str = ""  # READ path: the producer's exposed ring for this pair
+    pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
     views: dict[int, Any] = field(default_factory=dict)  # chunk index -> its views of the slot
@@ -238,10 +230,18 @@ class _Engine:
         self.setup_seconds = 0.0
         self._pairs: dict[int, _Pair] = {}
         self._shapes = _ShapeCache()
+        self._read = _uses_read(communicator, config.transport)
+        self._syncs = 0
+        self._exposed: list[str] = []
 
     @property
     def path(self) -> str:
-        return "send_recv"  # the READ path over OneSidedCommunicator is not wired yet
+        """``"read"`` (one-sided) or ``"send_recv"``: the data path this engine uses."""
+        return "read" if self._read else "send_recv"
+
+    def _expose(self, tensor: torch.Tensor, name: str) -> None:
+        self.communicator.expose(tensor, name)  # type: ignore[attr-defined]
+        self._exposed.append(name)
 
     def _index(self, facts: ProducerFacts | None) -> ModelIndex:
         gathered = self.coordinator.all_gather_object(facts)
@@ -256,6 +256,25 @@ class _Engine:
             if pair.worker is not None:
                 pair.worker.close()
         self._pairs = {}
+        unexpose = getattr(self.communicator, "unexpose", None)
+        if unexpose is not None:
+            for name in self._exposed:
+                unexpose(name)
+        self._exposed = []
+
+
+def _uses_read(communicator: DeviceCommunicator, transport: str) -> bool:
+    """Whether this communicator gets the one-sided READ path under ``transport``."""
+    has_read = CommOp.READ in communicator.supported_ops and isinstance(
+        communicator, OneSidedCommunicator
+    )
+    if transport == "read" and not has_read:
+        raise ValueError(
+            f"TransferConfig(transport='read') needs a communicator with one-sided READ "
+            f"(CommOp.READ and the OneSidedCommunicator API); {type(communicator).__name__} has "
+            "none: use transport='auto' or a communicator such as NIXL_RDT"
+        )
+    return has_read and transport != "send_recv"
 
 
 class WeightProducer(_Engine):
@@ -305,7 +324,16 @@ class WeightProducer(_Engine):
             error = type(errors[0])("; ".join(str(e) for e in errors))
         _gather_verdicts(self.coordinator, error)
         self._build_schedule()
+        if self._read:
+            self._expose_rings()
         self.setup_seconds = time.perf_counter() - start
+
+    def _expose_rings(self) -> None:
+        """Expose every serve ring once; collective with the consumers' ``_connect_read``."""
+        for cid, pair in self._pairs.items():
+            if pair.ring is not None:
+                self._expose(pair.ring.buffer, ring_name(self.producer_id, cid))
+        self.communicator.exchange_exposed()  # type: ignore[attr-defined]
 
     def _accept(
         self, cid: int, crank: int, index: ModelIndex, plan_msg: Any, reserve_msg: Any
@@ -340,7 +368,8 @@ class WeightProducer(_Engine):
             alloc = buffer_alloc_bytes(ring_bytes, self.config.presize_bytes)
             buf = torch.empty(alloc, dtype=torch.uint8, device=self.communicator.device)
             pair.ring = ServeRing(buf, self.layout.ring_slots, slot)
-            pair.worker = SerialWorker(f"wt-serve-c{cid}")
+            if not self._read:
+                pair.worker = SerialWorker(f"wt-serve-c{cid}")
         self._pairs[cid] = pair
 
     def _check_request(self, cid: int, index: ModelIndex, req: Any) -> Request:
@@ -379,6 +408,9 @@ class WeightProducer(_Engine):
     def _build_schedule(self) -> None:
         sched = [(c.group, cid, c.index) for cid, pair in self._pairs.items() for c in pair.chunks]
         self._schedule = sorted(sched)
+        self._group_counts: dict[int, int] = {}
+        for g, _cid, _i in self._schedule:
+            self._group_counts[g] = self._group_counts.get(g, 0) + 1
         assert self.index is not None
         served: dict[int, set[str]] = {}
         for pair in self._pairs.values():
@@ -395,35 +427,21 @@ class WeightProducer(_Engine):
         begin = getattr(self.source, "begin_sync", None)
         if begin is not None:
             begin()
-        counts: dict[int, int] = {}
-        for g, _cid, _i in self._schedule:
-            counts[g] = counts.get(g, 0) + 1
-        barrier = FreeBarrier(counts)
+        self._syncs += 1
+        barrier = FreeBarrier(self._group_counts)
+        serve = self._serve_read if self._read else self._serve_push
         opened: dict[int, Mapping[str, torch.Tensor]] = {}
         moved = 0
-        timeout = self.config.stall_timeout
         for g, cid, i in self._schedule:
             self._release(barrier, opened)
             if g not in opened:
                 opened[g] = self.source.open_group(self._group_names[g])
             pair = self._pairs[cid]
             chunk = pair.chunks[i]
-            assert pair.ring is not None and pair.worker is not None
-            direct = self._direct_view(pair, chunk, opened[g])
-            if direct is not None:
-                handle = pair.worker.submit(_sender(self.communicator, direct, pair.peer_rank))
-            else:
-                what = f"producer {self.producer_id} -> consumer {cid}"
-                slot = pair.ring.acquire(chunk.seq, chunk.nbytes, timeout, what)
-                self._pack(slot, pair, chunk, opened[g])
-                handle = pair.worker.submit(_sender(self.communicator, slot, pair.peer_rank))
-                pair.ring.in_flight(chunk.seq, handle)
-            handle.add_done_callback(_arrival(barrier, g))
+            serve(cid, pair, chunk, opened[g], barrier)
             moved += chunk.nbytes
-        for cid, pair in self._pairs.items():
-            if pair.ring is not None:
-                pair.ring.drain(timeout, f"producer {self.producer_id} -> consumer {cid}")
-        barrier.wait_all(timeout)
+        self._drain(barrier)
+        barrier.wait_all(self.config.stall_timeout)
         self._release(barrier, opened)
         return SyncStats(
             seconds=time.perf_counter() - start,
@@ -431,6 +449,78 @@ class WeightProducer(_Engine):
             chunks=len(self._schedule),
             path=self.path,
         )
+
+    def _serve_push(
+        self,
+        cid: int,
+        pair: _Pair,
+        chunk: Chunk,
+        tensors: Mapping[str, torch.Tensor],
+        barrier: FreeBarrier,
+    ) -> None:
+        assert pair.ring is not None and pair.worker is not None
+        direct = self._direct_view(pair, chunk, tensors)
+        if direct is not None:
+            handle = pair.worker.submit(_sender(self.communicator, direct, pair.peer_rank))
+        else:
+            what = f"producer {self.producer_id} -> consumer {cid}"
+            timeout = self.config.stall_timeout
+            slot = pair.ring.acquire(chunk.seq, chunk.nbytes, timeout, what)
+            self._pack(slot, pair, chunk, tensors)
+            handle = pair.worker.submit(_sender(self.communicator, slot, pair.peer_rank))
+            pair.ring.in_flight(chunk.seq, handle)
+        handle.add_done_callback(_arrival(barrier, chunk.group))
+
+    def _serve_read(
+        self,
+        cid: int,
+        pair: _Pair,
+        chunk: Chunk,
+        tensors: Mapping[str, torch.Tensor],
+        barrier: FreeBarrier,
+    ) -> None:
+        """Pack into slot ``seq % K`` once its last reader is done, then tell the consumer."""
+        assert pair.ring is not None
+        k = pair.ring.slots
+        while pair.pending and pair.pending[0][0] <= chunk.seq - k:
+            self._take_done(cid, pair, barrier, block=True)
+        start = (chunk.seq % k) * pair.slot_bytes
+        slot = pair.ring.buffer[start : start + chunk.nbytes]
+        self._pack(slot, pair, chunk, tensors)
+        device_synchronize(slot.device)
+        message = ready_message(self._syncs, chunk.seq, start, chunk.nbytes)
+        self.communicator.notify(pair.peer_rank, message)  # type: ignore[attr-defined]
+        pair.pending.append((chunk.seq, chunk.group))
+        while pair.pending and self._take_done(cid, pair, barrier, block=False):
+            pass
+
+    def _take_done(self, cid: int, pair: _Pair, barrier: FreeBarrier, *, block: bool) -> bool:
+        """Consume one 'done' from consumer ``cid`` (waiting for it when ``block``)."""
+        what = f"producer {self.producer_id} waiting for consumer {cid} to read"
+        if block:
+            msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
+        else:
+            found = poll_message(self.communicator, pair.peer_rank)
+            if found is None:
+                return False
+            msg = found
+        got = parse_done(msg, what)
+        seq, group = pair.pending.popleft()
+        if got != (self._syncs, seq):
+            raise RuntimeError(
+                f"{what}: got 'done' for {got}, expected (sync, seq) {self._syncs, seq}"
+            )
+        barrier.arrive(group)
+        return True
+
+    def _drain(self, barrier: FreeBarrier) -> None:
+        timeout = self.config.stall_timeout
+        for cid, pair in self._pairs.items():
+            if self._read:
+                while pair.pending:
+                    self._take_done(cid, pair, barrier, block=True)
+            elif pair.ring is not None:
+                pair.ring.drain(timeout, f"producer {self.producer_id} -> consumer {cid}")
 
     def _release(self, barrier: FreeBarrier, opened: dict[int, Mapping[str, torch.Tensor]]) -> None:
         for g in barrier.pop_free():
@@ -460,6 +550,9 @@ class WeightProducer(_Engine):
             ]
         srcs = [replay(tensors[pair.requests[i].name], pair.prefixes[i]) for i in chunk.items]
         torch._foreach_copy_(dsts, srcs)
+
+
+_MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
 
 
 def _wire(req: Request) -> tuple[int, ...]:
@@ -554,13 +647,37 @@ class WeightConsumer(_Engine):
             self.requests, dests = self._bake(index)
             self.bake_seconds = time.perf_counter() - t0
             self._dests = [self._dest_view(name, chain) for name, chain in dests]
+            self._dest_params = [name for name, _ in dests]
             self.chunks = build_chunks(self.consumer_id, self.requests, index.router, self.layout)
         except Exception as exc:  # reported to the fleet below
             error = exc
         self._send_plans(index, error)
         _gather_verdicts(self.coordinator, error)
         self._make_rings()
+        if self._read:
+            self._connect_read()
         self.setup_seconds = time.perf_counter() - start
+
+    def _connect_read(self) -> None:
+        """Learn the producers' rings (collective with ``_expose_rings``); pin local buffers.
+
+        Staging slots and the parameters that direct chunks land in are exposed (registered)
+        once here, so no sync pays for registering memory; peers never learn of them.
+        """
+        self.communicator.exchange_exposed()  # type: ignore[attr-defined]
+        for p, pair in self._pairs.items():
+            pair.remote_name = ring_name(p, self.consumer_id)
+            assert pair.ring is not None
+            self._expose(pair.ring.buffer, f"wt-stage-c{self.consumer_id}-p{p}")
+        pinned: set[int] = set()
+        for i, direct in enumerate(self._direct):
+            if direct is None or len(pinned) >= _MAX_PINNED:
+                continue
+            param = self.params[self._dest_params[self.chunks[i].items[0]]].data
+            key = param.untyped_storage().data_ptr()
+            if key not in pinned and param.is_contiguous():
+                pinned.add(key)
+                self._expose(param, f"wt-dest-c{self.consumer_id}-{len(pinned)}")
 
     def _bake(self, index: ModelIndex) -> tuple[list[Request], list[tuple[str, Any]]]:
         """Run the loader of every needed weight on fakes; the requests and their destinations."""
@@ -633,7 +750,7 @@ class WeightConsumer(_Engine):
                 requests=self.requests,
                 slot_bytes=slot,
                 ring=ServeRing(buf, self.layout.ring_slots, slot),
-                worker=SerialWorker(f"wt-recv-p{p}"),
+                worker=None if self._read else SerialWorker(f"wt-recv-p{p}"),
             )
         self._items = [(dtype_from_str(r.dtype), _wire(r), r.nbytes) for r in self.requests]
         self._suffixes = [split_for_wire(r.chain)[1] for r in self.requests]
@@ -650,6 +767,19 @@ class WeightConsumer(_Engine):
     def sync(self) -> SyncStats:
         """Receive one version of the weights into ``params``; returns this rank's stats."""
         start = time.perf_counter()
+        self._syncs += 1
+        if self._read:
+            self._receive_read()
+        else:
+            self._receive_push()
+        return SyncStats(
+            seconds=time.perf_counter() - start,
+            bytes=sum(c.nbytes for c in self.chunks),
+            chunks=len(self.chunks),
+            path=self.path,
+        )
+
+    def _receive_push(self) -> None:
         timeout = self.config.stall_timeout
         handles: list[Any] = []
         slots: list[torch.Tensor] = []
@@ -663,23 +793,51 @@ class WeightConsumer(_Engine):
             wait_or_stall(handles[i], timeout, what)
             if self._direct[i] is None:
                 self._unpack(slots[i], chunk)
-        return SyncStats(
-            seconds=time.perf_counter() - start,
-            bytes=sum(c.nbytes for c in self.chunks),
-            chunks=n,
-            path=self.path,
-        )
 
-    def _issue(self, j: int, handles: list[Any], slots: list[torch.Tensor]) -> None:
-        chunk = self.chunks[j]
-        pair = self._pairs[chunk.producer]
-        assert pair.ring is not None and pair.worker is not None
+    def _receive_read(self) -> None:
+        """Pull every chunk as its producer announces it; unpack one while reading the next."""
+        timeout = self.config.stall_timeout
+        comm = self.communicator
+        pending: tuple[torch.Tensor, Chunk] | None = None  # read, not yet unpacked
+        for i, chunk in enumerate(self.chunks):
+            pair = self._pairs[chunk.producer]
+            what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
+            msg = wait_message(comm, pair.peer_rank, timeout, what)
+            sync, seq, offset, nbytes = parse_ready(msg, what)
+            if (sync, seq, nbytes) != (self._syncs, chunk.seq, chunk.nbytes):
+                raise RuntimeError(
+                    f"{what}: producer announced (sync, seq, nbytes) {(sync, seq, nbytes)}, "
+                    f"expected {(self._syncs, chunk.seq, chunk.nbytes)}"
+                )
+            target = self._target(i)
+            if pending is not None and pending[0].data_ptr() == target.data_ptr():
+                self._unpack(*pending)  # same staging slot (K = 1): unpack before reusing it
+                pending = None
+            handle = comm.read_async(pair.peer_rank, pair.remote_name, target, offset)  # type: ignore[attr-defined]
+            if pending is not None:
+                self._unpack(*pending)
+            wait_read(handle, timeout, what)
+            comm.notify(pair.peer_rank, done_message(sync, seq))  # type: ignore[attr-defined]
+            pending = None if self._direct[i] is not None else (target, chunk)
+        if pending is not None:
+            self._unpack(*pending)
+        device_synchronize(comm.device)
+
+    def _target(self, j: int) -> torch.Tensor:
+        """Where chunk ``j``'s bytes land: its destination (direct) or its staging slot."""
         direct = self._direct[j]
         if direct is not None:
-            target = direct
-        else:
-            start = (chunk.seq % pair.ring.slots) * pair.slot_bytes
-            target = pair.ring.buffer[start : start + chunk.nbytes]
+            return direct
+        chunk = self.chunks[j]
+        pair = self._pairs[chunk.producer]
+        assert pair.ring is not None
+        start = (chunk.seq % pair.ring.slots) * pair.slot_bytes
+        return pair.ring.buffer[start : start + chunk.nbytes]
+
+    def _issue(self, j: int, handles: list[Any], slots: list[torch.Tensor]) -> None:
+        pair = self._pairs[self.chunks[j].producer]
+        assert pair.worker is not None
+        target = self._target(j)
         handles.append(pair.worker.submit(_receiver(self.communicator, target, pair.peer_rank)))
         slots.append(target)
 

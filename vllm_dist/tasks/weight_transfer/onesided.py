@@ -1,0 +1,131 @@
+"""The one-sided READ path: the API it needs from a communicator, and its two messages.
+
+A producer exposes every serve ring once at set-up; everyone exchanges the descriptors. Each
+sync, the producer packs chunk ``seq`` into slot ``seq % K`` of that consumer's ring and
+notifies it ``ready(sync, seq, offset, nbytes)``; the consumer READs the bytes (straight into
+its parameter where the destination is contiguous, else into a staging slot it unpacks) and
+notifies ``done(sync, seq)``, after which the producer may repack the slot and, once every
+chunk of a gather group is done, release the group. Every wait is bounded by the stall timeout.
+
+The producer's code does not take part in a READ, so the only work a sync costs it is the pack
+and two small messages per chunk. Rejected alternative: producers WRITE into consumer buffers
+(push): it needs the consumer's buffer exposed per chunk and makes the producer's thread do
+the transfer that the consumer's side can issue and overlap with its own unpacking.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from vllm_dist.tasks.weight_transfer.ring import TransferStallError
+
+
+class ReadHandle(Protocol):
+    """An in-flight one-sided read."""
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the read completed; False or a ``TimeoutError`` after ``timeout`` s."""
+        ...
+
+
+@runtime_checkable
+class OneSidedCommunicator(Protocol):
+    """The one-sided API the READ path uses (matches ``NixlRdtCommunicator``'s names).
+
+    ``expose`` registers a local tensor so that peers can read it under ``name``;
+    ``exchange_exposed`` (collective) makes every member's exposures addressable;
+    ``read_async`` copies, from peer ``peer``'s buffer ``remote_name``, ``local``'s byte size
+    starting at byte ``remote_offset`` into ``local`` — or, given a list of
+    ``(view, offset, nbytes)``, each piece from ``remote_offset + offset`` in one request;
+    ``notify`` / ``wait_notification`` (``TimeoutError`` after ``timeout``) carry the ring's
+    ready / done messages, in order per peer. Ranks are the communicator's group ranks. A
+    Protocol, not an ABC: a backend offers it without importing this package.
+    """
+
+    def expose(self, tensor: torch.Tensor, name: str) -> Any: ...
+
+    def exchange_exposed(self) -> Any: ...
+
+    def read_async(
+        self,
+        peer: int,
+        remote_name: str,
+        local: torch.Tensor | Sequence[tuple[torch.Tensor, int, int]],
+        remote_offset: int = 0,
+    ) -> ReadHandle: ...
+
+    def notify(self, peer: int, message: bytes) -> None: ...
+
+    def wait_notification(self, peer: int, timeout: float | None = None) -> bytes: ...
+
+
+_READY = struct.Struct("<cqqqq")  # b"R", sync, seq, offset, nbytes
+_DONE = struct.Struct("<cqq")  # b"D", sync, seq
+
+
+def ring_name(producer_id: int, consumer_id: int) -> str:
+    """The exposed name of producer ``producer_id``'s serve ring for ``consumer_id``."""
+    return f"wt-ring-p{producer_id}-c{consumer_id}"
+
+
+def ready_message(sync: int, seq: int, offset: int, nbytes: int) -> bytes:
+    return _READY.pack(b"R", sync, seq, offset, nbytes)
+
+
+def done_message(sync: int, seq: int) -> bytes:
+    return _DONE.pack(b"D", sync, seq)
+
+
+def parse_ready(msg: bytes, what: str) -> tuple[int, int, int, int]:
+    """(sync, seq, offset, nbytes) of a ready message; ``RuntimeError`` for anything else."""
+    if len(msg) != _READY.size or msg[:1] != b"R":
+        raise RuntimeError(f"{what}: expected a 'ready' message, got {msg[:32]!r}")
+    _, sync, seq, offset, nbytes = _READY.unpack(msg)
+    return sync, seq, offset, nbytes
+
+
+def parse_done(msg: bytes, what: str) -> tuple[int, int]:
+    """(sync, seq) of a done message; ``RuntimeError`` for anything else."""
+    if len(msg) != _DONE.size or msg[:1] != b"D":
+        raise RuntimeError(f"{what}: expected a 'done' message, got {msg[:32]!r}")
+    _, sync, seq = _DONE.unpack(msg)
+    return sync, seq
+
+
+def wait_message(comm: Any, peer: int, timeout: float, what: str) -> bytes:
+    """The next notification from ``peer``; ``TransferStallError`` when none came in time."""
+    try:
+        return bytes(comm.wait_notification(peer, timeout))
+    except TimeoutError as exc:
+        raise TransferStallError(
+            f"{what}: no message from rank {peer} within the stall timeout of {timeout} s; the "
+            "peer is dead or hung (raise TransferConfig.stall_timeout if transfers are just slow)"
+        ) from exc
+
+
+def poll_message(comm: Any, peer: int) -> bytes | None:
+    """The next notification from ``peer`` if one has arrived, else None (never blocks)."""
+    try:
+        return bytes(comm.wait_notification(peer, 0.0))
+    except TimeoutError:
+        return None
+
+
+def wait_read(handle: Any, timeout: float, what: str) -> None:
+    """Wait for a read; ``TransferStallError`` when it did not finish within ``timeout``."""
+    try:
+        finished = handle.wait(timeout) is not False
+    except TimeoutError:
+        finished = False
+    if not finished:
+        raise TransferStallError(f"{what}: the read did not finish within {timeout} s")
+
+
+def device_synchronize(device: torch.device) -> None:
+    """Wait for the current stream's copies: a peer must not read bytes still being packed."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
