@@ -334,13 +334,20 @@ def test_llama_tp_layout_is_what_an_engine_holds(shapes: dict[str, Any]) -> None
 
 # -- multi-process syncs -------------------------------------------------------------------------
 def _launch(
-    n: int, timeout: float = 90.0, task: type = LlamaTransferTask, **kw: Any
+    n: int,
+    timeout: float = 90.0,
+    task: type = LlamaTransferTask,
+    comm: CommunicatorType = CommunicatorType.TORCH_DISTRIBUTED,
+    device: str = "cpu",
+    **kw: Any,
 ) -> list[dict[str, Any]]:
+    if comm == CommunicatorType.NIXL_RDT:
+        kw.setdefault("communicator_options", {"timeout": 30.0})
     return MPLauncher(n, timeout=timeout).launch(
         task_type=task,
         coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
-        communicator_type=CommunicatorType.TORCH_DISTRIBUTED,
-        device="cpu",
+        communicator_type=comm,
+        device=device,
         **{"coordinator_options": {"timeout": 60.0}, **kw},
     )
 
@@ -453,10 +460,18 @@ def _launch_halves(
     port: int, producer_task: type, consumer_task: type, timeout: float, **kw: Any
 ) -> tuple[Any, Any]:
     """A trainer launch and an inference launch that meet at 127.0.0.1:port."""
+    return _launch_halves_sized(port, producer_task, consumer_task, timeout, 2, **kw)
+
+
+def _launch_halves_sized(
+    port: int, producer_task: type, consumer_task: type, timeout: float, consumers: int, **kw: Any
+) -> tuple[Any, Any]:
     out: dict[str, Any] = {}
 
     def run(role: str, n: int, task: type) -> None:
-        join = JoinSpec(host="127.0.0.1", port=port, role=role, num_producers=1, num_consumers=2)
+        join = JoinSpec(
+            host="127.0.0.1", port=port, role=role, num_producers=1, num_consumers=consumers
+        )
         try:
             out[role] = _launch(n, timeout=timeout, task=task, join=join, **kw)
         except Exception as exc:  # handed to the test
@@ -464,7 +479,7 @@ def _launch_halves(
 
     threads = [
         threading.Thread(target=run, args=("producer", 1, producer_task)),
-        threading.Thread(target=run, args=("consumer", 2, consumer_task)),
+        threading.Thread(target=run, args=("consumer", consumers, consumer_task)),
     ]
     for t in threads:
         t.start()
@@ -510,3 +525,85 @@ def test_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]) -> None:
     assert isinstance(consumers, LaunchError) and consumers.ranks == [1]
     assert isinstance(producers, LaunchError), producers  # the trainer side ended on its own
     assert time.monotonic() - start < 60
+
+
+# -- one-sided READ path (NIXL_RDT) ---------------------------------------------------------------
+def _needs_nixl() -> None:
+    pytest.importorskip("nixl", reason="needs the nixl package (pip install 'vllm_dist[nixl]')")
+
+
+@distributed_test(timeout=150)
+def test_read_path_nixl_llama_tp2_two_replicas(shapes: dict[str, Any]) -> None:
+    """Producers expose their rings, consumers READ; big items land straight in parameters."""
+    _needs_nixl()
+    results = _launch(
+        6,
+        comm=CommunicatorType.NIXL_RDT,
+        num_producers=2,
+        num_consumers=4,
+        syncs=3,
+        shapes=shapes,
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+    )
+    _assert_verified(results, 3)
+    summary = summarize(results)
+    assert summary["path"] == "read" and summary["verified"]
+
+
+@distributed_test(timeout=150)
+def test_read_path_nixl_stages_one_slot_many_chunks(shapes: dict[str, Any]) -> None:
+    """K = 1: every chunk of a pair reuses one slot, so each waits for the previous read."""
+    _needs_nixl()
+    config = TransferConfig(ring_slots=1, max_chunk_bytes=4096, align=512)
+    results = _launch(
+        4,
+        comm=CommunicatorType.NIXL_RDT,
+        num_producers=2,
+        num_consumers=2,
+        syncs=2,
+        shapes=shapes,
+        stages=True,
+        config=config,
+    )
+    _assert_verified(results, 2)
+    assert all(r["syncs"][0]["chunks"] > 8 for r in results if r["role"] == "producer")
+
+
+@distributed_test(timeout=120)
+def test_read_path_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]) -> None:
+    _needs_nixl()
+    start = time.monotonic()
+    producers, consumers = _launch_halves(
+        _free_port(),
+        LlamaTransferTask,
+        DyingConsumer,
+        90,
+        syncs=3,
+        shapes=shapes,
+        comm=CommunicatorType.NIXL_RDT,
+        config=TransferConfig(stall_timeout=5.0),
+        coordinator_options={"timeout": 20.0},
+    )
+    assert isinstance(consumers, LaunchError) and consumers.ranks == [1]
+    assert isinstance(producers, LaunchError), producers
+    assert "TransferStallError" in str(producers) or "stall" in str(producers)
+    assert time.monotonic() - start < 60
+
+
+@distributed_test(gpus=1, timeout=300)
+def test_read_path_nixl_one_gpu_producer_and_two_tp2_consumers(shapes: dict[str, Any]) -> None:
+    """All three workers on cuda:0 (the same-GPU path); bytes checked like on CPU."""
+    _needs_nixl()
+    results = _launch(
+        3,
+        timeout=240,
+        comm=CommunicatorType.NIXL_RDT,
+        device="cuda",  # cuda:<local rank % GPUs>: every worker on cuda:0 with one GPU
+        num_producers=1,
+        num_consumers=2,
+        syncs=3,
+        shapes=shapes,
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+    )
+    _assert_verified(results, 3)
+    assert summarize(results)["path"] == "read"

@@ -52,9 +52,10 @@ class LlamaTransferTask(WeightTransferTask):
         state: torch.nn.Module | dict[str, torch.Tensor]
         if hf_module:
             state = build_llama(tiny_llama_config(**(model_config or {})), seed=seed)
+            state.to(self.device)
             self._state = state.state_dict()
         else:
-            state = self._state = allocate(shapes or {})
+            state = self._state = allocate(shapes or {}, self.device)
         names = list(self._state)
         held = stage_names(names, num_producers, producer_idx) if stages else None
         return StateDictSource(state, held=held)
@@ -76,7 +77,7 @@ class LlamaTransferTask(WeightTransferTask):
         if shapes is None:
             shapes = llama_shapes(tiny_llama_config(**(model_config or {})))
         self._shapes = shapes
-        params, routes = llama_tp_layout(shapes, consumer_idx % tp_size, tp_size)
+        params, routes = llama_tp_layout(shapes, consumer_idx % tp_size, tp_size, self.device)
         self._routes = routes
         return ConsumerSpec(params=params, route=lambda name: routes.get(name, []))
 
@@ -92,9 +93,11 @@ class LlamaTransferTask(WeightTransferTask):
         return {"verified": not bad, "mismatched": bad[:5], "params": len(spec.params)}
 
 
-def allocate(shapes: Shapes) -> dict[str, torch.Tensor]:
-    """Zero tensors for ``shapes`` (HF name -> (shape, dtype))."""
-    return {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in shapes.items()}
+def allocate(shapes: Shapes, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Zero tensors for ``shapes`` (HF name -> (shape, dtype)) on ``device``."""
+    return {
+        n: torch.zeros(shape, dtype=dtype, device=device) for n, (shape, dtype) in shapes.items()
+    }
 
 
 def run_demo(
