@@ -7,8 +7,9 @@ before any worker connects.
 
 from __future__ import annotations
 
+import contextlib
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from vllm_dist import registry
@@ -17,6 +18,7 @@ from vllm_dist.interfaces import (
     DeviceCommunicator,
     DistributedTask,
     WorkerCoordinator,
+    WorkerInfo,
 )
 
 
@@ -44,21 +46,17 @@ class GlobalCoordinatorDistributedTask(DistributedTask):
         communicator_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
-        comm_cls = _communicator_class(communicator_type, self.required_ops)
-        coord_cls = registry.get_coordinator_class(coordinator_type)
-        self.coordinator = coord_cls(self.worker_info, **(coordinator_options or {}))  # type: ignore[call-arg]
-        try:
-            self.coordinator.initialize()
-            self.communicator = comm_cls(  # type: ignore[call-arg]
-                self.coordinator, device=device, **(communicator_options or {})
-            )
-            try:
-                self.device = self.communicator.device
-                return self.post_init_distributed(**kwargs)
-            finally:
-                self.communicator.close()
-        finally:
-            self.coordinator.close()
+        with open_backends(
+            self.worker_info,
+            coordinator_type=coordinator_type,
+            communicator_type=communicator_type,
+            required_ops=self.required_ops,
+            device=device,
+            coordinator_options=coordinator_options,
+            communicator_options=communicator_options,
+        ) as (self.coordinator, _, self.communicator):
+            self.device = self.communicator.device
+            return self.post_init_distributed(**kwargs)
 
     @abstractmethod
     def post_init_distributed(self, **kwargs: Any) -> Any:
@@ -93,22 +91,18 @@ class GroupCoordinatorDistributedTask(DistributedTask):
         self.group_index, my_group = find_group(
             groups, self.worker_info.rank, self.worker_info.world_size
         )
-        comm_cls = _communicator_class(communicator_type, self.required_ops)
-        coord_cls = registry.get_coordinator_class(coordinator_type)
-        self.global_coordinator = coord_cls(self.worker_info, **(coordinator_options or {}))  # type: ignore[call-arg]
-        try:
-            self.global_coordinator.initialize()
-            self.coordinator = self.global_coordinator.new_group(my_group)
-            self.communicator = comm_cls(  # type: ignore[call-arg]
-                self.coordinator, device=device, **(communicator_options or {})
-            )
-            try:
-                self.device = self.communicator.device
-                return self.post_init_distributed(**kwargs)
-            finally:
-                self.communicator.close()
-        finally:
-            self.global_coordinator.close()
+        with open_backends(
+            self.worker_info,
+            coordinator_type=coordinator_type,
+            communicator_type=communicator_type,
+            required_ops=self.required_ops,
+            device=device,
+            coordinator_options=coordinator_options,
+            communicator_options=communicator_options,
+            group=my_group,
+        ) as (self.global_coordinator, self.coordinator, self.communicator):
+            self.device = self.communicator.device
+            return self.post_init_distributed(**kwargs)
 
     @abstractmethod
     def post_init_distributed(self, **kwargs: Any) -> Any:
@@ -135,8 +129,34 @@ def find_group(
     return seen[rank], list(groups[seen[rank]])
 
 
-def _communicator_class(
-    communicator_type: registry.CommunicatorKey, required: frozenset[CommOp]
-) -> type[DeviceCommunicator]:
-    registry.require_ops(communicator_type, required)
-    return registry.get_communicator_class(communicator_type)
+@contextlib.contextmanager
+def open_backends(
+    worker_info: WorkerInfo,
+    *,
+    coordinator_type: registry.CoordinatorKey,
+    communicator_type: registry.CommunicatorKey,
+    required_ops: frozenset[CommOp] = frozenset(),
+    device: str | None = None,
+    coordinator_options: dict[str, Any] | None = None,
+    communicator_options: dict[str, Any] | None = None,
+    group: list[int] | None = None,
+) -> Iterator[tuple[WorkerCoordinator, WorkerCoordinator, DeviceCommunicator]]:
+    """Yield ``(world coordinator, group coordinator, communicator over the group)``, then close.
+
+    ``group=None`` means the whole world (both coordinators are the same object). A backend
+    lacking one of ``required_ops`` is refused before any connection is made.
+    """
+    registry.require_ops(communicator_type, required_ops)
+    comm_cls = registry.get_communicator_class(communicator_type)
+    coord_cls = registry.get_coordinator_class(coordinator_type)
+    world = coord_cls(worker_info, **(coordinator_options or {}))  # type: ignore[call-arg]
+    try:
+        world.initialize()
+        local = world if group is None else world.new_group(group)
+        comm = comm_cls(local, device=device, **(communicator_options or {}))  # type: ignore[call-arg]
+        try:
+            yield world, local, comm
+        finally:
+            comm.close()
+    finally:
+        world.close()
