@@ -53,11 +53,13 @@ from vllm_dist.tasks.weight_transfer.onesided import (
     wait_read,
 )
 from vllm_dist.tasks.weight_transfer.ops import (
+    Copy,
     Loader,
     OpChain,
     UnsafeOpError,
     bake,
     check_chain,
+    loader_key,
     replay,
     split_for_wire,
 )
@@ -68,6 +70,8 @@ from vllm_dist.tasks.weight_transfer.plan import (
     Request,
     buffer_alloc_bytes,
     build_chunks,
+    decode_requests,
+    encode_requests,
     pair_digest,
     slot_bytes,
 )
@@ -78,6 +82,7 @@ from vllm_dist.tasks.weight_transfer.ring import (
     wait_or_stall,
 )
 from vllm_dist.tasks.weight_transfer.source import WeightSource, dtype_from_str
+from vllm_dist.tasks.weight_transfer.views import ViewCache
 
 Route = Callable[[str], Iterable[tuple[str, Loader]]]
 """``route(hf_name)`` -> the (destination parameter name, loader) pairs that take that weight."""
@@ -230,6 +235,7 @@ class _Engine:
         self.setup_seconds = 0.0
         self._pairs: dict[int, _Pair] = {}
         self._shapes = _ShapeCache()
+        self._views = ViewCache()
         self._read = _uses_read(communicator, config.transport)
         self._syncs = 0
         self._exposed: list[str] = []
@@ -338,13 +344,19 @@ class WeightProducer(_Engine):
     def _accept(
         self, cid: int, crank: int, index: ModelIndex, plan_msg: Any, reserve_msg: Any
     ) -> None:
-        verb, sender, requests = plan_msg
+        verb, sender, payload = plan_msg
         if verb != "plan" or sender != cid:
             raise RuntimeError(f"expected a plan from consumer {cid}, got {verb!r} from {sender}")
-        if isinstance(requests, str):  # the consumer failed its own set-up
+        if isinstance(payload, str):  # the consumer failed its own set-up
             self._pairs[cid] = _Pair(peer_rank=crank, chunks=[], requests=[], slot_bytes=0)
             return
-        requests = [self._check_request(cid, index, r) for r in requests]
+        try:
+            requests = decode_requests(payload)
+        except ValueError as exc:
+            raise UnsafeOpError(f"consumer {cid} sent {exc}") from None
+        checked: set[int] = set()
+        for r in requests:
+            self._check_request(cid, index, r, checked)
         chunks = build_chunks(cid, requests, index.router, self.layout, producer=self.producer_id)
         digest = pair_digest(cid, self.producer_id, requests, chunks, index.router, self.layout)
         _verb, _sender, nbytes, their_digest = reserve_msg
@@ -362,8 +374,8 @@ class WeightProducer(_Engine):
                 f"consumer {cid} reserved {nbytes} B of serve ring but the plan needs {ring_bytes}"
             )
         pair = _Pair(peer_rank=crank, chunks=chunks, requests=requests, slot_bytes=slot)
-        pair.items = [(dtype_from_str(r.dtype), _wire(r), r.nbytes) for r in requests]
-        pair.prefixes = [split_for_wire(r.chain)[0] for r in requests]
+        pair.items = _item_table(requests)
+        pair.prefixes = _shared_splits(requests, 0)
         if chunks:
             alloc = buffer_alloc_bytes(ring_bytes, self.config.presize_bytes)
             buf = torch.empty(alloc, dtype=torch.uint8, device=self.communicator.device)
@@ -372,9 +384,8 @@ class WeightProducer(_Engine):
                 pair.worker = SerialWorker(f"wt-serve-c{cid}")
         self._pairs[cid] = pair
 
-    def _check_request(self, cid: int, index: ModelIndex, req: Any) -> Request:
-        if not isinstance(req, Request):
-            raise UnsafeOpError(f"consumer {cid} sent {type(req).__name__}, not a Request")
+    def _check_request(self, cid: int, index: ModelIndex, req: Request, checked: set[int]) -> None:
+        """Refuse a name this producer does not serve, an unsafe chain or a false shape."""
         meta = index.meta.get(req.name)
         if meta is None or self.producer_id not in index.holders.get(req.name, []):
             raise UnservedNameError(
@@ -387,7 +398,9 @@ class WeightProducer(_Engine):
                 f"consumer {cid} asked producer {self.producer_id} for {req.name!r}, which this "
                 f"deployment routes to producer {routed}; refusing to serve it"
             )
-        check_chain(req.chain)
+        if id(req.chain) not in checked:  # requests share chain objects: check each once
+            check_chain(req.chain)
+            checked.add(id(req.chain))
         try:
             shape, wire = self._shapes(meta.shape, meta.torch_dtype, req.chain)
         except UnsafeOpError:
@@ -403,7 +416,6 @@ class WeightProducer(_Engine):
                 f"(wire shape {wire}), but the request claims {req.shape} {req.dtype} "
                 f"(wire shape {req.wire_shape})"
             )
-        return req
 
     def _build_schedule(self) -> None:
         sched = [(c.group, cid, c.index) for cid, pair in self._pairs.items() for c in pair.chunks]
@@ -559,6 +571,32 @@ def _wire(req: Request) -> tuple[int, ...]:
     return req.shape if req.wire_shape is None else req.wire_shape
 
 
+def _item_table(requests: list[Request]) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
+    """(wire dtype, wire shape, bytes) per request, computed once per distinct kind."""
+    memo: dict[tuple[tuple[int, ...], str, tuple[int, ...] | None], Any] = {}
+    out = []
+    for r in requests:
+        key = (r.shape, r.dtype, r.wire_shape)
+        item = memo.get(key)
+        if item is None:
+            item = memo[key] = (dtype_from_str(r.dtype), _wire(r), r.nbytes)
+        out.append(item)
+    return out
+
+
+def _shared_splits(requests: list[Request], part: int) -> list[OpChain]:
+    """``split_for_wire(r.chain)[part]`` per request; one object per distinct chain object, so
+    ``ViewCache`` (keyed on chain identity) sees a handful of chains, not one per name."""
+    memo: dict[int, tuple[OpChain, OpChain]] = {}
+    out = []
+    for r in requests:
+        hit = memo.get(id(r.chain))
+        if hit is None:
+            hit = memo[id(r.chain)] = (r.chain, split_for_wire(r.chain)[part])
+        out.append(hit[1])
+    return out
+
+
 class _ShapeCache:
     """(final shape, wire shape) of a weight through a chain, from meta tensors, memoised.
 
@@ -567,20 +605,20 @@ class _ShapeCache:
     """
 
     def __init__(self) -> None:
-        self._memo: dict[tuple[tuple[int, ...], torch.dtype, str], Any] = {}
+        self._memo: dict[tuple[int, tuple[int, ...], torch.dtype], Any] = {}
 
     def __call__(
         self, shape: tuple[int, ...], dtype: torch.dtype, chain: OpChain
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        key = (tuple(shape), dtype, repr(chain))
+        key = (id(chain), tuple(shape), dtype)  # the memo keeps ``chain`` alive: ids stay unique
         hit = self._memo.get(key)
-        if hit is None:
+        if hit is None or hit[0] is not chain:
             probe = torch.empty(shape, dtype=dtype, device="meta")
             prefix, suffix = split_for_wire(chain)
             wire = replay(probe, prefix) if prefix else probe
             out = replay(wire, suffix) if suffix else wire
-            hit = self._memo[key] = (tuple(out.shape), tuple(wire.shape))
-        return hit  # type: ignore[no-any-return]
+            hit = self._memo[key] = (chain, tuple(out.shape), tuple(wire.shape))
+        return hit[1], hit[2]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -680,32 +718,53 @@ class WeightConsumer(_Engine):
                 self._expose(param, f"wt-dest-c{self.consumer_id}-{len(pinned)}")
 
     def _bake(self, index: ModelIndex) -> tuple[list[Request], list[tuple[str, Any]]]:
-        """Run the loader of every needed weight on fakes; the requests and their destinations."""
+        """Run the loader of every needed weight on fakes; the requests and their destinations.
+
+        Loaders that bake alike (``loader_key``) on the same shapes are baked once and their
+        recorded copies shared, chain objects included (``ViewCache`` keys on them).
+        """
         requests: list[Request] = []
         dests: list[tuple[str, Any]] = []
         metas: dict[Any, torch.Tensor] = {}
+        baked: dict[Any, list[tuple[Copy, tuple[int, ...]]]] = {}
         for name in index.names:
             meta = index.meta[name]
             for param_name, loader in self.route(name):
-                if param_name not in self.params:
+                dest = self.params.get(param_name)
+                if dest is None:
                     raise KeyError(f"route({name!r}) names parameter {param_name!r}, not in params")
-                dest = self.params[param_name]
-                for copy in bake(loader, meta.shape, meta.torch_dtype, dest, name, metas):
-                    _, wire = self._shapes(meta.shape, meta.torch_dtype, copy.src_chain)
+                lkey = loader_key(loader)
+                key = (
+                    None if lkey is None else (meta.shape, meta.dtype, dest.shape, dest.dtype, lkey)
+                )
+                copies = None if key is None else baked.get(key)
+                if copies is None:
+                    copies = self._bake_one(loader, meta, dest, name, metas)
+                    if key is not None:
+                        baked[key] = copies
+                for copy, wire in copies:
                     requests.append(Request(name, copy.src_chain, copy.shape, meta.dtype, wire))
                     dests.append((param_name, copy.dest_chain))
         return requests, dests
 
+    def _bake_one(
+        self, loader: Loader, meta: Any, dest: torch.Tensor, name: str, metas: dict[Any, Any]
+    ) -> list[tuple[Copy, tuple[int, ...]]]:
+        dtype = meta.torch_dtype
+        return [
+            (copy, self._shapes(meta.shape, dtype, copy.src_chain)[1])
+            for copy in bake(loader, meta.shape, dtype, dest, name, metas)
+        ]
+
     def _dest_view(self, param_name: str, chain: Any) -> torch.Tensor:
         param = self.params[param_name].data
-        view = replay(param, chain)
-        if view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+        if self._views.geometry(tuple(param.shape), param.stride(), param.dtype, chain) is None:
             raise UnsafeOpError(
                 f"the loader's destination view of {param_name!r} ({chain!r}) is a copy, so "
                 "copy_ into it would not reach the parameter; avoid contiguous()/reshape on "
                 "non-contiguous destination views"
             )
-        return view
+        return self._views(param, chain)
 
     def _send_plans(self, index: ModelIndex, error: BaseException | None) -> None:
         router = index.router
@@ -720,9 +779,9 @@ class WeightConsumer(_Engine):
             if error is not None:
                 payload: Any = f"consumer {self.consumer_id} failed set-up"
             else:
-                payload = [
-                    self.requests[i] for c in self.chunks if c.producer == p for i in c.items
-                ]
+                payload = encode_requests(
+                    [self.requests[i] for c in self.chunks if c.producer == p for i in c.items]
+                )
                 digests[p] = pair_digest(
                     self.consumer_id, p, self.requests, self.chunks, router, self.layout
                 )
@@ -752,8 +811,8 @@ class WeightConsumer(_Engine):
                 ring=ServeRing(buf, self.layout.ring_slots, slot),
                 worker=None if self._read else SerialWorker(f"wt-recv-p{p}"),
             )
-        self._items = [(dtype_from_str(r.dtype), _wire(r), r.nbytes) for r in self.requests]
-        self._suffixes = [split_for_wire(r.chain)[1] for r in self.requests]
+        self._items = _item_table(self.requests)
+        self._suffixes = _shared_splits(self.requests, 1)
         self._direct = [self._direct_dest(c) for c in self.chunks]
         k = self.layout.ring_slots
         last: dict[tuple[int, int], int] = {}

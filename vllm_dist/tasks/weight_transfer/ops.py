@@ -17,7 +17,9 @@ executes foreign code on trainer ranks and cannot be checked before the first sy
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+import types
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +111,42 @@ def bake(
             f"{type(exc).__name__}: {exc}"
         ) from exc
     return tape
+
+
+_PLAIN = (int, float, str, bool, bytes, type(None), torch.dtype)
+
+
+def loader_key(loader: Any) -> Hashable | None:
+    """What makes two loaders bake the same way, or None when that cannot be told.
+
+    Loaders are pure functions of their code, their closure values and the shapes (they see
+    only fakes), so two closures of one code object over equal plain values (ints, strings,
+    dtypes, other functions) record the same chain for the same shapes; 100,000 expert weights
+    loaded by a handful of such closures then bake a handful of times. Anything else (a bound
+    method, a closure over an object) gets None and is baked per name.
+    """
+    if isinstance(loader, functools.partial):
+        inner = loader_key(loader.func)
+        parts = (*loader.args, *sorted(loader.keywords.items()))
+        if inner is None or not all(_plain(p) for p in parts):
+            return None
+        return ("partial", inner, parts)
+    code = getattr(loader, "__code__", None)
+    if code is None or not isinstance(loader, types.FunctionType):
+        return None
+    cells = tuple(c.cell_contents for c in loader.__closure__ or ())
+    defaults = (loader.__defaults__ or (), tuple(sorted((loader.__kwdefaults__ or {}).items())))
+    if not all(_plain(v) for v in (*cells, *defaults[0], *defaults[1])):
+        return None
+    return (code, cells, defaults)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (*_PLAIN, types.FunctionType)):
+        return True
+    if type(value) is tuple:
+        return all(_plain(v) for v in value)
+    return False
 
 
 def _meta(

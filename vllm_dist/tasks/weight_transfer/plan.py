@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_dist.tasks.weight_transfer.ops import OpChain
 from vllm_dist.tasks.weight_transfer.router import RdtRouter
@@ -116,10 +118,12 @@ def build_chunks(
     With ``producer`` given, only that producer's chunks are built (``index`` then counts that
     producer's chunks only); a producer uses this on the requests a consumer sent it.
     """
+    sizes = item_sizes(requests)
     keyed = []
     for i, req in enumerate(requests):
-        g, k = router.group_of(req.name), router.class_of(req.name)
-        keyed.append((g, k, i))
+        p = router.producer_for(consumer_id, req.name)
+        if producer is None or p == producer:
+            keyed.append((router.group_of(req.name), router.class_of(req.name), i, p))
     keyed.sort()
     chunks: list[Chunk] = []
     seqs: dict[int, int] = {}
@@ -127,33 +131,44 @@ def build_chunks(
     offs: list[int] = []
     size = 0
     key: tuple[int, int, int] | None = None
+    align, limit, alone_at = layout.align, layout.max_chunk_bytes, layout.direct_bytes
 
     def flush() -> None:
-        nonlocal cur, offs, size
         if cur and key is not None:
             p = key[2]
             seq = seqs.get(p, 0)
             seqs[p] = seq + 1
             chunks.append(Chunk(p, key[0], key[1], len(chunks), seq, size, tuple(cur), tuple(offs)))
-        cur, offs, size = [], [], 0
 
-    for g, k, i in keyed:
-        p = router.producer_for(consumer_id, requests[i].name)
-        if producer is not None and p != producer:
-            continue
-        nbytes = requests[i].nbytes
-        start = _round_up(size, layout.align)
-        alone = nbytes >= layout.direct_bytes
-        if (g, k, p) != key or (cur and (alone or start + nbytes > layout.max_chunk_bytes)):
+    for g, k, i, p in keyed:
+        nbytes = sizes[i]
+        start = -(-size // align) * align
+        alone = nbytes >= alone_at
+        if (g, k, p) != key or (cur and (alone or start + nbytes > limit)):
             flush()
+            cur, offs, size = [], [], 0
             key, start = (g, k, p), 0
         cur.append(i)
         offs.append(start)
         size = start + nbytes
         if alone:
             flush()
+            cur, offs, size = [], [], 0
     flush()
     return chunks
+
+
+def item_sizes(requests: Sequence[Request]) -> list[int]:
+    """``[r.nbytes for r in requests]``, computed once per distinct (shape, dtype)."""
+    memo: dict[tuple[tuple[int, ...], str], int] = {}
+    out = []
+    for r in requests:
+        key = (r.shape, r.dtype)
+        n = memo.get(key)
+        if n is None:
+            n = memo[key] = r.nbytes
+        out.append(n)
+    return out
 
 
 def pair_digest(
@@ -164,17 +179,89 @@ def pair_digest(
     router: RdtRouter,
     layout: LayoutConfig,
 ) -> str:
-    """A digest of what ``producer`` serves ``consumer_id``: routes, layout and items."""
+    """A digest of what ``producer`` serves ``consumer_id``: routes, layout and items.
+
+    Hashes flat arrays (chunk headers, offsets, a kind id per item), the names joined, and the
+    table of distinct (chain, shape, dtype, wire shape) kinds, so 100,000 items cost one pass.
+    """
     h = hashlib.sha256()
     h.update(repr((router.fingerprint(), layout, consumer_id, producer)).encode())
+    heads = array("q")
+    offsets = array("q")
+    kind_ids = array("q")
+    names: list[str] = []
+    kinds = KindTable()
     for c in chunks:
         if c.producer != producer:
             continue
-        h.update(repr((c.seq, c.group, c.owner_class, c.nbytes, c.offsets)).encode())
+        heads.extend((c.seq, c.group, c.owner_class, c.nbytes, len(c.items)))
+        offsets.extend(c.offsets)
         for i in c.items:
             r = requests[i]
-            h.update(repr((r.name, r.chain, r.shape, r.dtype, r.wire_shape)).encode())
+            names.append(r.name)
+            kind_ids.append(kinds.add(r))
+    for part in (heads, offsets, kind_ids):
+        h.update(part.tobytes())
+    h.update("\0".join(names).encode())
+    h.update(repr(kinds.kinds).encode())
     return h.hexdigest()
+
+
+Kind = tuple[OpChain, tuple[int, ...], str, "tuple[int, ...] | None"]
+
+
+class KindTable:
+    """Distinct (chain, shape, dtype, wire shape) of requests, numbered in first-seen order.
+
+    Requests that baked alike share their chain object, so the key uses its identity (chains
+    hold slices, unhashable before Python 3.12); ``kinds`` keeps the chains alive.
+    """
+
+    def __init__(self) -> None:
+        self.kinds: list[Kind] = []
+        self._ids: dict[tuple[int, tuple[int, ...], str, tuple[int, ...] | None], int] = {}
+
+    def add(self, r: Request) -> int:
+        key = (id(r.chain), r.shape, r.dtype, r.wire_shape)
+        k = self._ids.get(key)
+        if k is None:
+            k = self._ids[key] = len(self.kinds)
+            self.kinds.append((r.chain, r.shape, r.dtype, r.wire_shape))
+        return k
+
+
+def encode_requests(requests: Sequence[Request]) -> tuple[list[Kind], list[str], bytes]:
+    """A compact, picklable form of ``requests``: (kind table, names, int32 kind per item)."""
+    kinds = KindTable()
+    ids = array("i", [kinds.add(r) for r in requests])
+    return kinds.kinds, [r.name for r in requests], ids.tobytes()
+
+
+def decode_requests(payload: object) -> list[Request]:
+    """The inverse of ``encode_requests``; ``ValueError`` for anything malformed.
+
+    Only the structure is checked here: chains, names and shapes are checked by the producer.
+    """
+    kinds: Any
+    names: Any
+    raw: Any
+    try:
+        kinds, names, raw = payload  # type: ignore[misc]
+        ids = array("i")
+        ids.frombytes(raw)
+        table = [
+            (chain, tuple(shape), str(dtype), None if w is None else tuple(w))
+            for chain, shape, dtype, w in kinds
+        ]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"a malformed plan: {type(exc).__name__}: {exc}") from None
+    if not isinstance(names, list) or len(names) != len(ids):
+        raise ValueError(
+            f"a malformed plan: {len(ids)} kind ids for a names list of {type(names).__name__}"
+        )
+    if ids and not 0 <= min(ids) <= max(ids) < len(table):
+        raise ValueError(f"a malformed plan: kind ids outside 0..{len(table) - 1}")
+    return [Request(str(n), *table[k]) for n, k in zip(names, ids, strict=True)]
 
 
 def slot_bytes(chunks: Sequence[Chunk], producer: int, align: int = 256) -> int:

@@ -95,6 +95,7 @@ class RdtRouter:
                 self.group_names.append(self.names[start : start + n])
                 self._group.update((name, g) for name in self.names[start : start + n])
                 start += n
+        self._routes: dict[tuple[int, int, int], int] = {}
         self._consumer_id: int | None = None
         self._actors: list[Any] = []
         self._produce: list[ProduceMethod] = []
@@ -150,10 +151,14 @@ class RdtRouter:
 
     def producer_for(self, consumer_id: int, name: str) -> int:
         """The producer that serves ``name`` to consumer ``consumer_id``."""
-        owners = self.owners(name)
         b = self.workers_per_replica
-        block = assign_producer_indices(len(owners), b, consumer_id % b)
-        return owners[block[self.group_of(name) % len(block)]]
+        key = (consumer_id % b, self._class.get(name, 0), self._group.get(name, 0))
+        p = self._routes.get(key)  # depends on (worker, class, group) only: memoised
+        if p is None:
+            owners = self.owners(name)
+            block = assign_producer_indices(len(owners), b, key[0])
+            p = self._routes[key] = owners[block[key[2] % len(block)]]
+        return p
 
     def fingerprint(self) -> tuple[Any, ...]:
         """What two deployments must agree on for their routes to agree."""

@@ -1,0 +1,64 @@
+"""Op chains replayed by geometry: one ``as_strided`` per view instead of one call per op.
+
+A chain of pure views maps a tensor of a given (shape, stride, dtype) to a view whose size,
+stride and storage offset do not depend on the data. ``ViewCache`` replays each distinct
+(chain, shape, stride, dtype) once on a meta tensor, records that geometry, and from then on
+builds the view with a single ``as_strided`` — the per-sync and per-name cost of set-up and
+packing. A chain that copies (``contiguous`` / ``reshape`` of a non-contiguous view) has no
+geometry; it is replayed op by op, as before.
+
+Chains are keyed by identity (they hold slices, unhashable before Python 3.12; hashing their
+repr would cost more than the replay it saves). Callers share one chain object among the many
+names that baked the same way, so the memo stays small; the memo keeps each chain alive, so an
+id is never reused while it is a key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_dist.tasks.weight_transfer.ops import OpChain, replay
+
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int] | None
+
+
+class ViewCache:
+    """``cache(tensor, chain)`` == ``replay(tensor, chain)``, by geometry where it is a view."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[Any, ...], tuple[OpChain, Geometry]] = {}
+
+    def __call__(self, tensor: torch.Tensor, chain: OpChain) -> torch.Tensor:
+        if not chain:
+            return tensor
+        geo = self.geometry(tuple(tensor.shape), tensor.stride(), tensor.dtype, chain)
+        if geo is None:
+            return replay(tensor, chain)
+        size, stride, delta = geo
+        return tensor.as_strided(size, stride, tensor.storage_offset() + delta)
+
+    def geometry(
+        self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, chain: OpChain
+    ) -> Geometry:
+        """(size, stride, storage-offset delta) of ``chain`` on such a tensor; None if it copies.
+
+        Raises:
+            UnsafeOpError: the chain has an op outside ``ALLOWED_OPS`` (checked on first use).
+        """
+        key = (id(chain), shape, stride, dtype)
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] is chain:
+            return hit[1]
+        probe = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        out = replay(probe, chain)
+        geo: Geometry = None
+        if out is probe or out._base is probe:
+            geo = (
+                tuple(out.shape),
+                out.stride(),
+                int(out.storage_offset()) - int(probe.storage_offset()),
+            )
+        self._memo[key] = (chain, geo)
+        return geo
