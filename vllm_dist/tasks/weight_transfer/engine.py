@@ -30,6 +30,7 @@ group's source tensors once every chunk of it has been delivered.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -195,7 +196,7 @@ class _Pair:
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
-    views: dict[int, Any] = field(default_factory=dict)  # chunk index -> its views of the slot
+    views: dict[int, Any] = field(default_factory=dict)  # chunk index -> its pack plan / views
 
 
 def _gather_verdicts(coordinator: WorkerCoordinator, error: BaseException | None) -> None:
@@ -376,6 +377,13 @@ class WeightProducer(_Engine):
         pair = _Pair(peer_rank=crank, chunks=chunks, requests=requests, slot_bytes=slot)
         pair.items = _item_table(requests)
         pair.prefixes = _shared_splits(requests, 0)
+        pair.views = {
+            c.index: _PackPlan(
+                names=[requests[i].name for i in c.items],
+                prefixes=[pair.prefixes[i] for i in c.items],
+            )
+            for c in chunks
+        }
         if chunks:
             alloc = buffer_alloc_bytes(ring_bytes, self.config.presize_bytes)
             buf = torch.empty(alloc, dtype=torch.uint8, device=self.communicator.device)
@@ -539,29 +547,49 @@ class WeightProducer(_Engine):
             if opened.pop(g, None) is not None:
                 self.source.release_group(self._group_names[g])
 
-    @staticmethod
     def _direct_view(
-        pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
+        self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
     ) -> torch.Tensor | None:
         """The source bytes of a one-item chunk when they are contiguous: sent without a pack."""
         if len(chunk.items) != 1:
             return None
-        i = chunk.items[0]
-        view = replay(tensors[pair.requests[i].name], pair.prefixes[i])
-        return _as_bytes(view) if view.is_contiguous() else None
+        srcs = self._sources(pair, chunk, tensors)
+        return _as_bytes(srcs[0]) if srcs[0].is_contiguous() else None
 
-    @staticmethod
     def _pack(
-        slot: torch.Tensor, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
+        self, slot: torch.Tensor, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
     ) -> None:
-        dsts = pair.views.get(chunk.index)
-        if dsts is None:  # the slot of a chunk never moves: build its views once
-            dsts = pair.views[chunk.index] = [
+        plan = pair.views[chunk.index]
+        if plan.dsts is None:  # the slot of a chunk never moves: build its views once
+            plan.dsts = [
                 slot[off : off + pair.items[i][2]].view(pair.items[i][0]).view(pair.items[i][1])
                 for i, off in zip(chunk.items, chunk.offsets, strict=True)
             ]
-        srcs = [replay(tensors[pair.requests[i].name], pair.prefixes[i]) for i in chunk.items]
-        torch._foreach_copy_(dsts, srcs)
+        torch._foreach_copy_(plan.dsts, self._sources(pair, chunk, tensors))
+
+    def _sources(
+        self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The chunk's source views; rebuilt only when a source tensor object changed."""
+        plan = pair.views[chunk.index]
+        objs = [tensors[n] for n in plan.names]
+        if plan.objs is None or not all(map(operator.is_, objs, plan.objs)):
+            views = self._views
+            plan.srcs = [views(t, c) for t, c in zip(objs, plan.prefixes, strict=True)]
+            plan.objs = objs
+        assert plan.srcs is not None
+        return plan.srcs
+
+
+@dataclass(kw_only=True, slots=True)
+class _PackPlan:
+    """What packing one chunk needs, built at set-up; views are cached across syncs."""
+
+    names: list[str]
+    prefixes: list[OpChain]
+    dsts: list[torch.Tensor] | None = None
+    objs: list[torch.Tensor] | None = None  # the source tensors ``srcs`` were built from
+    srcs: list[torch.Tensor] | None = None
 
 
 _MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
@@ -917,6 +945,6 @@ class WeightConsumer(_Engine):
             for i, off in zip(chunk.items, chunk.offsets, strict=True):
                 dtype, shape, nbytes = self._items[i]
                 wire = slot[off : off + nbytes].view(dtype).view(shape)
-                srcs.append(replay(wire, self._suffixes[i]))
+                srcs.append(self._views(wire, self._suffixes[i]))
             views = self._unpack_views[chunk.index] = ([self._dests[i] for i in chunk.items], srcs)
         torch._foreach_copy_(*views)

@@ -89,6 +89,7 @@ class StateDictSource(WeightSource):
         self._state = state
         self._held = None if held is None else frozenset(held)
         self._tensors: Mapping[str, torch.Tensor] = {}
+        self._detached: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._meta = list(metadata) if metadata is not None else None
         if self._held is not None:
             missing = sorted(self._held - set(self._read()))
@@ -112,9 +113,23 @@ class StateDictSource(WeightSource):
         return self._held
 
     def open_group(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        """The named tensors, detached; the same objects as last sync for unchanged parameters
+        (so the engine's cached views of them stay valid)."""
         if not self._tensors:
             self._tensors = self._read()
-        return {n: self._tensors[n].detach() for n in names}
+        out = {}
+        for n in names:
+            raw = self._tensors[n]
+            hit = self._detached.get(n)
+            if (  # ``param.data = t`` keeps the object but moves its storage
+                hit is None
+                or hit[0] is not raw
+                or hit[1].data_ptr() != raw.data_ptr()
+                or hit[1].shape != raw.shape
+            ):
+                hit = self._detached[n] = (raw, raw.detach())
+            out[n] = hit[1]
+        return out
 
     def begin_sync(self) -> None:
         """Re-read the module's state dict (a trainer may have replaced parameters)."""
