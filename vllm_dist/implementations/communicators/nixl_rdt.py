@@ -486,17 +486,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         reg.inflight += 1
         try:
             md, full = self._metadata_for(src, reg)
-            ipc = CudaIpcHandle.of(tensor) if self._use_ipc else None
-            ready = (
-                tensor.data_ptr(),
-                nbytes,
-                reg.device_id,
-                reg.mem_type,
-                self._epoch,
-                md,
-                full,
-                ipc,
-            )
+            ready = (tensor.data_ptr(), nbytes, reg.device_id, reg.mem_type, self._epoch, md, full)
             self._notify(src, _READY, (seq, *ready))
             what = f"send #{seq} from rank {src}"
             self._wait_msg(src, _DONE, seq, deadline, what, error_kind=_ERROR)
@@ -1056,52 +1046,128 @@ def ray_rdt_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def prepare_ray_rdt_actor() -> None:
-    """Call first thing in an actor that uses RDT: checks Ray and sets the UCX variable.
+    """Call first thing in an actor that uses RDT (in ``__init__``): checks Ray, sets the UCX variable.
 
-    Ray creates its NIXL agent lazily on the first RDT object, so setting the variable here (unless
-    the user set it) reaches UCX in time.
+    UCX reads its variables when Ray creates the actor's NIXL agent: in a producer that is the
+    first call of a ``tensor_transport="nixl"`` method (Ray probes the actor for the transport
+    before submitting it), in a consumer its first fetch. Calling this from a method of a producer
+    is too late; ``runtime_env={"env_vars": ray_rdt_env()}`` on both actors always works.
     """
     check_ray_rdt_version()
     os.environ.setdefault(CUDA_IPC_GET_ZCOPY, "y")
 
 
 def ray_rdt_register(tensor: torch.Tensor) -> None:
-    """Register ``tensor`` with Ray's NIXL agent for the life of the process (producer side)."""
+    """Register ``tensor`` with Ray's NIXL agent for the life of the process (producer side).
+
+    Optional: Ray registers a returned tensor by itself and deregisters it when the last ref to
+    it goes; registering a buffer that is returned again and again (weights) saves that each time.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError(
+            "Ray Direct Transport sends contiguous tensors only; register a contiguous one"
+        )
     prepare_ray_rdt_actor()
     from ray.experimental import register_nixl_memory
 
     register_nixl_memory(tensor)
 
 
-def ray_rdt_fetch_into(ref: Any, targets: list[torch.Tensor], *, timeout: float) -> list[Any]:
+def ray_rdt_fetch_into(ref: Any, targets: Sequence[torch.Tensor], *, timeout: float) -> Any:
     """Fetch an RDT ``ref`` (made with ``tensor_transport="nixl"``) into preallocated ``targets``.
 
-    Bounded by ``timeout`` seconds. Refuses VRAM targets when UCX would READ over TCP (the cause of
-    the Ray 2.60 same-GPU timeouts), with the fix in the message.
+    ``targets`` are the tensors of the object in the order the producer returned them (shape and
+    dtype as sent, contiguous, all on one device type; CPU <-> GPU is allowed). Returns the value
+    the producer returned, its tensors being ``targets``: the bytes are in ``targets`` when this
+    returns, also when Ray served the object from this process without a transfer. Call it in an
+    actor or driver that owns ``ref`` or borrowed it inside a container (a top-level actor-call
+    argument is resolved by Ray before the call starts).
+
+    Every wait is bounded by ``timeout`` seconds in all: the producer's call finishing, then the
+    NIXL READ (Ray's own limit, ``RAY_rdt_fetch_fail_timeout_milliseconds``, applies too).
 
     Raises:
         RayRdtUnavailableError: Ray too old, or VRAM with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` off.
-        NixlTimeoutError: the transfer did not finish within ``timeout``.
+        NixlTimeoutError: the producer did not return, or the bytes did not arrive, in time.
+        NixlTransferError: the producer actor died (before or after returning) or the READ failed.
+        ValueError: ``targets`` empty, not contiguous, or not matching the object's tensors.
     """
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    targets = list(targets)
+    if not targets or not all(isinstance(t, torch.Tensor) for t in targets):
+        raise ValueError(
+            "targets must be a non-empty list of tensors, one per tensor of the object"
+        )
+    if not all(t.is_contiguous() for t in targets):
+        raise ValueError("Ray Direct Transport fetches into contiguous targets only")
+    if len({t.device.type for t in targets}) > 1:
+        raise ValueError("all targets of one RDT object must be on one device type")
     prepare_ray_rdt_actor()
     import ray
+    from ray import exceptions as rex
     from ray.experimental import set_target_for_ref
 
-    if any(t.is_cuda for t in targets) and os.environ.get(CUDA_IPC_GET_ZCOPY, "").lower() in (
-        "n",
-        "no",
-        "off",
-        "0",
-    ):
+    vram = targets[0].is_cuda
+    if vram and os.environ.get(CUDA_IPC_GET_ZCOPY, "").lower() in ("n", "no", "off", "0"):
         raise RayRdtUnavailableError(
             f"{CUDA_IPC_GET_ZCOPY} is off in this actor: Ray's NIXL transport READs, which UCX then "
             "carries over TCP between processes on one GPU (it timed out on Ray 2.60); unset it or "
             f"set it to 'y' in both actors' runtime_env (see ray_rdt_env())"
         )
-    set_target_for_ref(ref, targets)
-    try:
-        return list(ray.get(ref, timeout=timeout))
-    except ray.exceptions.GetTimeoutError as exc:
+    deadline = time.monotonic() + timeout
+    hint = (
+        f" (VRAM: both actors need {CUDA_IPC_GET_ZCOPY}=y before Ray creates their NIXL agents, "
+        "see ray_rdt_env(); else UCX READs over TCP)"
+        if vram
+        else ""
+    )
+    ready, _ = ray.wait([ref], num_returns=1, timeout=timeout)
+    if not ready:
         raise NixlTimeoutError(
-            f"Ray Direct Transport fetch did not finish within {timeout} s"
+            f"Ray Direct Transport: the producer of {ref} did not return within {timeout} s "
+            "(it is busy, stuck, or dead)"
+        )
+    set_target_for_ref(ref, targets)
+    left = max(deadline - time.monotonic(), 1e-3)
+    try:
+        value = ray.get(ref, timeout=left)
+    except (rex.GetTimeoutError, rex.ObjectFetchTimedOutError, TimeoutError) as exc:
+        raise NixlTimeoutError(
+            f"Ray Direct Transport fetch of {ref} did not finish within {timeout} s: the producer "
+            f"actor may be dead or its NIXL agent unreachable{hint}"
         ) from exc
+    except rex.RayDirectTransportError as exc:
+        raise NixlTransferError(
+            f"Ray Direct Transport fetch of {ref} failed (the producer actor may have died): "
+            f"{_first_line(exc)}"
+        ) from exc
+    except (rex.RayActorError, rex.ObjectLostError) as exc:
+        raise NixlTransferError(
+            f"Ray Direct Transport: the producer of {ref} died or lost the object before it could "
+            f"be fetched: {_first_line(exc)}"
+        ) from exc
+    _land_in_targets(value, targets)
+    return value
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _land_in_targets(value: Any, targets: list[torch.Tensor]) -> None:
+    """Make sure the bytes sit in ``targets`` (Ray returns its own copy when the object is local)."""
+    if isinstance(value, torch.Tensor):
+        got = [value]
+    elif isinstance(value, (list, tuple)):
+        got = [v for v in value if isinstance(v, torch.Tensor)]
+    elif isinstance(value, dict):
+        got = [v for v in value.values() if isinstance(v, torch.Tensor)]
+    else:
+        return  # an object Ray alone knows how to take apart; its tensors are the targets
+    if len(got) != len(targets):
+        return
+    for src, dst in zip(got, targets, strict=True):
+        if src.data_ptr() != dst.data_ptr():
+            dst.copy_(src.reshape(dst.shape))
