@@ -35,6 +35,7 @@ from vllm_dist.implementations.launchers.common import (
     run_packed_task,
 )
 from vllm_dist.interfaces import (
+    BackendUnavailableError,
     DistributedTask,
     Launcher,
     LaunchError,
@@ -42,7 +43,6 @@ from vllm_dist.interfaces import (
     WorkerFailure,
     WorkerInfo,
 )
-from vllm_dist.registry import BackendUnavailableError
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _INLINE_LIMIT = 1 << 20  # packed launches above this go through the object store once
