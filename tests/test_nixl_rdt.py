@@ -6,6 +6,8 @@ processes on it (the same-GPU CUDA IPC path). Every launch has a timeout.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing as mp
 import os
 import subprocess
@@ -354,3 +356,264 @@ def test_repeated_transfers_vram_same_gpu() -> None:
         RepeatTask, device="cuda:0", options={"timeout": 60.0, "max_cached_registrations": 8}
     )
     assert all(end["live_xfer_handles"] == 0 for _, end in counts)
+
+
+# -- NIXL_RDT under RayLauncher ----------------------------------------------------------------
+
+
+class SendRecvAndOneSidedTask(GlobalCoordinatorDistributedTask):
+    """The send/recv task, then the one-sided task, in one launch (one set of actors)."""
+
+    def post_init_distributed(self, **kwargs: Any) -> Any:
+        stats = SendRecvTask.post_init_distributed(self, **kwargs)  # type: ignore[arg-type]
+        facts = OneSidedTask.post_init_distributed(self, **kwargs)  # type: ignore[arg-type]
+        return stats, facts
+
+
+@pytest.mark.ray
+@distributed_test(timeout=240)
+def test_send_recv_and_one_sided_under_ray_launcher_cpu(ray_session: Any) -> None:
+    from vllm_dist import RayLauncher
+
+    results = RayLauncher(2, timeout=LAUNCH_TIMEOUT).launch(
+        task_type=SendRecvAndOneSidedTask,
+        coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
+        communicator_type=CommunicatorType.NIXL_RDT,
+        device="cpu",
+        communicator_options={"timeout": 30.0},
+    )
+    assert len(results) == 2
+    for stats, _ in results:
+        assert stats["live_xfer_handles"] == 0 and stats["leaked_xfer_handles"] == 0
+    assert results[0][1]["mem_type"] == "DRAM"
+    assert results[0][1]["last_xfer_backend"] == "UCX"
+
+
+# -- Ray Direct Transport: tensor_transport="nixl" between two Ray actors ----------------------
+#
+# The consumer calls the producer itself, so it owns the refs and fetches them with ray.get (a
+# ref passed as a top-level actor argument would be resolved by Ray before the call starts).
+
+RDT_SIZES = [1, 3, 4096, (1 << 20) + 7, 16 << 20]
+RDT_TIMEOUT = 20.0  # one fetch, in the consumer
+RDT_CALL_TIMEOUT = 120.0  # one consumer call, in the test: nothing waits longer
+
+
+def rdt_pattern(nbytes: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """Made where it lives (a CUDA generator is deterministic per seed too): cheap for 1 GiB."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=device)
+
+
+@functools.cache
+def _rdt_actor_classes() -> tuple[Any, Any]:
+    """The producer / consumer actor classes (built on first use: Ray is imported only then)."""
+    import ray
+
+    class RdtProducer:
+        """Returns tensors through RDT: fresh ones, or one persistent registered buffer."""
+
+        def __init__(self, device: str = "cpu", persistent_nbytes: int = 0) -> None:
+            nixl_rdt.prepare_ray_rdt_actor(device)  # before Ray creates this actor's NIXL agent
+            self.device = device
+            self.buf: torch.Tensor | None = None
+            if persistent_nbytes:
+                self.buf = torch.zeros(persistent_nbytes, dtype=torch.uint8, device=device)
+                nixl_rdt.ray_rdt_register(self.buf)
+
+        @ray.method(tensor_transport="nixl")
+        def make(self, sizes: list[int], seed: int) -> list[torch.Tensor]:
+            return [rdt_pattern(n, seed + i, self.device) for i, n in enumerate(sizes)]
+
+        @ray.method(tensor_transport="nixl")
+        def make_one(self, nbytes: int, seed: int) -> torch.Tensor:
+            return rdt_pattern(nbytes, seed, self.device)
+
+        @ray.method(tensor_transport="nixl")
+        def refill(self, seed: int) -> torch.Tensor:
+            """The weight-sync pattern: rewrite the registered buffer once no ref holds it."""
+            from ray.experimental import wait_tensor_freed
+
+            assert self.buf is not None
+            wait_tensor_freed(self.buf, timeout=RDT_TIMEOUT)
+            self.buf.copy_(rdt_pattern(self.buf.numel(), seed, self.device))
+            return self.buf
+
+        @ray.method(tensor_transport="nixl")
+        def stall(self, seconds: float) -> torch.Tensor:
+            time.sleep(seconds)
+            return torch.ones(16, dtype=torch.uint8, device=self.device)
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    class RdtConsumer:
+        """Calls a producer and fetches what it returns into preallocated targets."""
+
+        def __init__(self, device: str = "cpu") -> None:
+            nixl_rdt.prepare_ray_rdt_actor(device)
+            self.device = device
+
+        def env(self) -> dict[str, str]:
+            return {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "CUDA_VIS"))}
+
+        def fetch(self, producer: Any, sizes: list[int], seed: int, rounds: int) -> list[Any]:
+            """Per round: (bytes equal, seconds, the value's tensors are the targets)."""
+            out = []
+            targets = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+            for r in range(rounds):
+                for t in targets:
+                    t.zero_()
+                if len(sizes) == 1 and r % 2:  # the bare tensor
+                    ref = producer.make_one.remote(sizes[0], seed + r)
+                else:  # a list of tensors
+                    ref = producer.make.remote(sizes, seed + r)
+                start = time.monotonic()
+                try:
+                    value = nixl_rdt.ray_rdt_fetch_into(ref, targets, timeout=RDT_TIMEOUT)
+                except (nixl_rdt.NixlTransferError, nixl_rdt.RayRdtUnavailableError) as exc:
+                    return [(type(exc).__name__, str(exc))]
+                secs = time.monotonic() - start
+                got = [value] if isinstance(value, torch.Tensor) else list(value)
+                same = all(a.data_ptr() == b.data_ptr() for a, b in zip(got, targets, strict=True))
+                ok = all(
+                    torch.equal(t, rdt_pattern(n, seed + r + i, self.device))
+                    for i, (t, n) in enumerate(zip(targets, sizes, strict=True))
+                )
+                out.append((ok, secs, same))
+            return out
+
+        def fetch_refills(self, producer: Any, nbytes: int, rounds: int) -> list[bool]:
+            target = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            oks = []
+            for r in range(rounds):
+                ref = producer.refill.remote(100 + r)
+                nixl_rdt.ray_rdt_fetch_into(ref, [target], timeout=RDT_TIMEOUT)
+                del ref  # lets the producer's next refill rewrite its buffer
+                oks.append(torch.equal(target, rdt_pattern(nbytes, 100 + r, self.device)))
+            return oks
+
+        def fetch_after_kill(self, producer: Any, when: str, timeout: float) -> Any:
+            """Kill ``producer`` after it returned, or while it works; then fetch its ref."""
+            import ray
+
+            pid = ray.get(producer.pid.remote(), timeout=RDT_CALL_TIMEOUT)
+            nbytes = 1 << 20 if when == "after_return" else 16
+            if when == "after_return":
+                ref = producer.make_one.remote(nbytes, 7)
+                ray.wait([ref], timeout=RDT_CALL_TIMEOUT)
+            else:
+                ref = producer.stall.remote(RDT_CALL_TIMEOUT)
+            ray.kill(producer, no_restart=True)
+            for _ in range(200):  # the process is gone before the fetch starts
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+            target = torch.empty(nbytes, dtype=torch.uint8)
+            start = time.monotonic()
+            try:
+                nixl_rdt.ray_rdt_fetch_into(ref, [target], timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 - the test checks the type
+                return type(exc).__name__, time.monotonic() - start, str(exc)
+            return "no error", time.monotonic() - start, ""
+
+    return RdtProducer, RdtConsumer
+
+
+def _rdt_actor(ray: Any, which: int, *args: Any, num_gpus: float = 0, **kw: Any) -> Any:
+    opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": num_gpus, "max_restarts": 0}
+    if num_gpus:  # both actors, before Ray creates their NIXL agents
+        opts["runtime_env"] = {"env_vars": nixl_rdt.ray_rdt_env()}
+    return ray.remote(**opts)(_rdt_actor_classes()[which]).remote(*args, **kw)
+
+
+def _kill(ray: Any, *actors: Any) -> None:
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+
+
+@pytest.mark.ray
+@distributed_test(timeout=240)
+def test_ray_rdt_fetch_into_targets_cpu(ray_session: Any) -> None:
+    ray = ray_session
+    consumer = _rdt_actor(ray, 1, "cpu")
+    producer = _rdt_actor(ray, 0, "cpu", persistent_nbytes=(1 << 20) + 1)
+    dead = [_rdt_actor(ray, 0, "cpu") for _ in range(2)]  # started alongside, killed below
+    try:
+        # every size alone (a list of one; the bare tensor on odd rounds), then all in one object
+        for n in RDT_SIZES:
+            rounds = ray.get(consumer.fetch.remote(producer, [n], n, 2), timeout=RDT_CALL_TIMEOUT)
+            assert all(r[0] is True and r[2] for r in rounds), (n, rounds)
+        rounds = ray.get(consumer.fetch.remote(producer, RDT_SIZES, 1, 2), timeout=RDT_CALL_TIMEOUT)
+        assert all(r[0] is True and r[2] for r in rounds), rounds
+        # repeated fetches of one registered buffer, rewritten between rounds once it is freed
+        oks = ray.get(
+            consumer.fetch_refills.remote(producer, (1 << 20) + 1, 6), timeout=RDT_CALL_TIMEOUT
+        )
+        assert oks == [True] * 6
+
+        # a producer killed after it returned (the READ finds no agent), or while it works
+        timeout = 5.0
+        for when, victim in zip(("after_return", "before_return"), dead, strict=True):
+            kind, secs, msg = ray.get(
+                consumer.fetch_after_kill.remote(victim, when, timeout), timeout=RDT_CALL_TIMEOUT
+            )
+            assert kind in ("NixlTransferError", "NixlTimeoutError"), (when, kind, msg)
+            assert secs < timeout + 3, (when, kind, secs, msg)
+            assert "Ray Direct Transport" in msg and "producer" in msg, msg
+            print(f"dead producer {when}: {kind} after {secs:.2f} s: {msg.splitlines()[0]}")
+        # the consumer is still fine
+        rounds = ray.get(consumer.fetch.remote(producer, [4096], 5, 1), timeout=RDT_CALL_TIMEOUT)
+        assert rounds[0][0] is True, rounds
+    finally:
+        _kill(ray, consumer, producer, *dead)
+
+
+def test_ray_rdt_fetch_checks_its_arguments() -> None:
+    pytest.importorskip("ray")
+    with pytest.raises(ValueError, match="timeout"):
+        nixl_rdt.ray_rdt_fetch_into(object(), [torch.empty(1)], timeout=0)
+    with pytest.raises(ValueError, match="non-empty"):
+        nixl_rdt.ray_rdt_fetch_into(object(), [], timeout=1)
+    with pytest.raises(ValueError, match="contiguous"):
+        nixl_rdt.ray_rdt_fetch_into(object(), [torch.empty(4, 4).t()], timeout=1)
+
+
+@pytest.mark.ray
+@distributed_test(gpus=1, timeout=300)
+def test_ray_rdt_fetch_into_targets_vram_same_gpu(ray_session: Any) -> None:
+    """Two actors sharing one GPU (0.5 each): passes, or fails with our error; never hangs."""
+    ray = ray_session
+    consumer = _rdt_actor(ray, 1, "cuda", num_gpus=0.5)
+    producer = _rdt_actor(ray, 0, "cuda", num_gpus=0.5, persistent_nbytes=(64 << 20) + 1)
+    sizes = [1, 4096, (1 << 20) + 7, 64 << 20, 1 << 30]
+    try:
+        env = ray.get(consumer.env.remote(), timeout=RDT_CALL_TIMEOUT)
+        # set in both actors before their NIXL agents exist (the user's own value wins)
+        assert (
+            env.get(nixl_rdt.CUDA_IPC_GET_ZCOPY)
+            == nixl_rdt.ray_rdt_env()[nixl_rdt.CUDA_IPC_GET_ZCOPY]
+        ), env
+        for n in sizes:
+            try:
+                rounds = ray.get(
+                    consumer.fetch.remote(producer, [n], n, 3), timeout=RDT_CALL_TIMEOUT
+                )
+            except ray.exceptions.GetTimeoutError:
+                pytest.fail(f"the consumer hung past {RDT_CALL_TIMEOUT} s at {n} bytes (env {env})")
+            except ray.exceptions.RayActorError as exc:
+                pytest.fail(f"an actor died during the {n}-byte fetch (env {env}): {exc}")
+            if isinstance(rounds[0][0], str):
+                pytest.fail(f"{n} bytes: {rounds[0][0]}: {rounds[0][1]} (env {env})")
+            assert all(r[0] is True and r[2] for r in rounds), (n, rounds)
+            best = min(r[1] for r in rounds)
+            print(f"RDT VRAM same GPU {n} B: best {best * 1e3:.2f} ms, {n / best / 1e9:.2f} GB/s")
+        oks = ray.get(
+            consumer.fetch_refills.remote(producer, (64 << 20) + 1, 4), timeout=RDT_CALL_TIMEOUT
+        )
+        assert oks == [True] * 4
+    finally:
+        _kill(ray, consumer, producer)

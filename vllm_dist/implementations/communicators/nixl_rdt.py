@@ -1045,16 +1045,46 @@ def ray_rdt_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {CUDA_IPC_GET_ZCOPY: env.get(CUDA_IPC_GET_ZCOPY, "y")}
 
 
-def prepare_ray_rdt_actor() -> None:
+def prepare_ray_rdt_actor(device: torch.device | str | None = None) -> None:
     """Call first thing in an actor that uses RDT (in ``__init__``): checks Ray, sets the UCX variable.
 
     UCX reads its variables when Ray creates the actor's NIXL agent: in a producer that is the
     first call of a ``tensor_transport="nixl"`` method (Ray probes the actor for the transport
     before submitting it), in a consumer its first fetch. Calling this from a method of a producer
     is too late; ``runtime_env={"env_vars": ray_rdt_env()}`` on both actors always works.
+
+    Args:
+        device: the CUDA device this actor moves VRAM on: it is made current and its context
+            created now, before Ray's agent (UCX looks for a CUDA context when it starts). None or
+            a CPU device: nothing touches CUDA.
     """
     check_ray_rdt_version()
+    late = CUDA_IPC_GET_ZCOPY not in os.environ and _ray_nixl_agent_started()
     os.environ.setdefault(CUDA_IPC_GET_ZCOPY, "y")
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        torch.zeros(1, device=dev)  # the context exists from here on
+    if late and (dev.type == "cuda" if dev is not None else torch.cuda.is_available()):
+        import warnings
+
+        warnings.warn(
+            f"prepare_ray_rdt_actor(): Ray's NIXL agent in this process already exists, so "
+            f"{CUDA_IPC_GET_ZCOPY}=y reaches UCX too late here; VRAM READs between processes on "
+            "one GPU may go over TCP. Call it in the actor's __init__, or pass "
+            "runtime_env={'env_vars': ray_rdt_env()} to the actor",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _ray_nixl_agent_started() -> bool:
+    """Whether Ray already built this process's NIXL agent (private Ray state; False if unknown)."""
+    with contextlib.suppress(Exception):
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        return getattr(get_tensor_transport_manager("NIXL"), "_nixl_agent", None) is not None
+    return False
 
 
 def ray_rdt_register(tensor: torch.Tensor) -> None:
@@ -1103,7 +1133,7 @@ def ray_rdt_fetch_into(ref: Any, targets: Sequence[torch.Tensor], *, timeout: fl
         raise ValueError("Ray Direct Transport fetches into contiguous targets only")
     if len({t.device.type for t in targets}) > 1:
         raise ValueError("all targets of one RDT object must be on one device type")
-    prepare_ray_rdt_actor()
+    prepare_ray_rdt_actor(targets[0].device)
     import ray
     from ray import exceptions as rex
     from ray.experimental import set_target_for_ref
