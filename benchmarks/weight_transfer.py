@@ -88,15 +88,17 @@ def moe_shapes(num_tensors: int, layers: int = 32) -> dict[str, Any]:
     return shapes
 
 
-def moe_layout(shapes: dict[str, Any], tp_rank: int, tp_size: int) -> tuple[dict, dict]:
+def moe_layout(
+    shapes: dict[str, Any], tp_rank: int, tp_size: int, device: Any = "cpu"
+) -> tuple[dict, dict]:
     params: dict[str, torch.Tensor] = {}
     routes: dict[str, Any] = {}
     for name, (shape, dtype) in shapes.items():
         if name.endswith("w2.weight"):
-            params[name] = torch.zeros(shape[0], shape[1] // tp_size, dtype=dtype)
+            params[name] = torch.zeros(shape[0], shape[1] // tp_size, dtype=dtype, device=device)
             routes[name] = [(name, row_parallel(tp_rank, tp_size))]
         else:
-            params[name] = torch.zeros(shape[0] // tp_size, shape[1], dtype=dtype)
+            params[name] = torch.zeros(shape[0] // tp_size, shape[1], dtype=dtype, device=device)
             routes[name] = [(name, column_parallel(tp_rank, tp_size))]
     return params, routes
 
@@ -105,7 +107,9 @@ def fast_fill(state: dict[str, torch.Tensor], step: int) -> None:
     """Cheap deterministic contents (finite bf16) that change every step."""
     for i, t in enumerate(state.values()):
         n = t.numel()
-        vals = (torch.arange(n, dtype=torch.int32) % 251 + (i * 7 + step * 13) % 97).to(t.dtype)
+        vals = (
+            torch.arange(n, dtype=torch.int32, device=t.device) % 251 + (i * 7 + step * 13) % 97
+        ).to(t.dtype)
         t.copy_(vals.view(t.shape))
 
 
@@ -115,7 +119,8 @@ class BenchTask(WeightTransferTask):
     def make_source(
         self, producer_idx: int, num_producers: int, shapes: Any = None, **_: Any
     ) -> WeightSource:
-        self._state = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+        dev = self.device
+        self._state = {n: torch.zeros(s, dtype=d, device=dev) for n, (s, d) in shapes.items()}
         return StateDictSource(self._state)
 
     def before_producer_sync(self, step: int, source: WeightSource, **_: Any) -> None:
@@ -127,7 +132,7 @@ class BenchTask(WeightTransferTask):
         self, consumer_idx: int, num_consumers: int, shapes: Any = None, moe: bool = False, **_: Any
     ) -> ConsumerSpec:
         layout = moe_layout if moe else llama_tp_layout
-        params, routes = layout(shapes, consumer_idx % 2, 2)
+        params, routes = layout(shapes, consumer_idx % 2, 2, self.device)
         self._routes, self._shapes = routes, shapes
         return ConsumerSpec(params=params, route=lambda n: routes.get(n, []))
 
@@ -150,17 +155,21 @@ class BenchTask(WeightTransferTask):
         return result
 
     def _raw_p2p(self, result: dict[str, Any], num_producers: int, iters: int) -> list[float]:
-        """Seconds per round of plain send/recv of the same bytes per consumer."""
+        """Seconds per round of the communicator's own transfer of the same bytes per consumer:
+        one-sided READs when the sync used the READ path, plain send/recv otherwise."""
         nbytes = self.coordinator.all_gather_object(
             result["syncs"][0]["bytes"] if result["role"] == "consumer" else 0
         )
         rank = self.coordinator.get_rank()
         times = []
+        dev = self.communicator.device
         bufs = {
-            c: torch.ones(nbytes[c], dtype=torch.uint8)
+            c: torch.ones(nbytes[c], dtype=torch.uint8, device=dev)
             for c in range(num_producers, len(nbytes))
             if rank < num_producers or c == rank
         }
+        if result["syncs"][0]["path"] == "read":
+            return self._raw_read(bufs, num_producers, iters)
         for _ in range(iters):
             self.coordinator.barrier()
             start = time.perf_counter()
@@ -178,6 +187,25 @@ class BenchTask(WeightTransferTask):
             times.append(time.perf_counter() - start)
         return times
 
+    def _raw_read(
+        self, bufs: dict[int, torch.Tensor], num_producers: int, iters: int
+    ) -> list[float]:
+        comm: Any = self.communicator
+        rank = self.coordinator.get_rank()
+        if rank == 0:
+            for c, b in bufs.items():
+                comm.expose(b, f"raw-c{c}")
+        comm.exchange_exposed()
+        times = []
+        for _ in range(iters):
+            self.coordinator.barrier()
+            start = time.perf_counter()
+            if rank >= num_producers:
+                comm.read_async(0, f"raw-c{rank}", bufs[rank]).wait(300.0)
+            self.coordinator.barrier()  # the producer's round ends when every read has
+            times.append(time.perf_counter() - start)
+        return times
+
 
 def run_case(
     label: str, shapes: dict[str, Any], args: argparse.Namespace, moe: bool
@@ -188,11 +216,15 @@ def run_case(
     )
     # one intra-op thread per worker, as torchrun sets: workers share the cores
     env = {"OMP_NUM_THREADS": str(args.threads)}
+    comm = CommunicatorType(args.comm)
     results = MPLauncher(n, timeout=args.timeout, env=env).launch(
         task_type=BenchTask,
         coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
-        communicator_type=CommunicatorType.TORCH_DISTRIBUTED,
-        device="cpu",
+        communicator_type=comm,
+        device=args.device,
+        communicator_options={"timeout": args.timeout}
+        if comm == CommunicatorType.NIXL_RDT
+        else None,
         coordinator_options={"timeout": args.timeout},
         num_producers=1,
         num_consumers=args.consumers,
@@ -209,6 +241,8 @@ def run_case(
     sync_s, raw_s = min(per_sync), min(raw)
     return {
         "case": label,
+        "comm": args.comm,
+        "path": consumers[0]["syncs"][0]["path"],
         "model_bytes": sum(torch.Size(s).numel() * d.itemsize for s, d in shapes.values()),
         "tensors": len(shapes),
         "bytes_moved": moved,
@@ -239,6 +273,10 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=64)
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each worker")
+    ap.add_argument(
+        "--comm", default="torch_distributed", help="communicator: torch_distributed, nixl_rdt, ..."
+    )
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (every worker on cuda:<local>)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--out", default="bench_results/weight_transfer.json")
     args = ap.parse_args()
@@ -250,6 +288,7 @@ def main() -> None:
         rows.append(run_case(f"moe {args.many} tensors", moe_shapes(args.many), args, moe=True))
     cols = [
         "case",
+        "path",
         "tensors",
         "moved",
         "chunks",
@@ -262,11 +301,13 @@ def main() -> None:
         "ok",
     ]
     table = print_table(
-        f"weight transfer, 1 producer -> {args.consumers} TP-2 consumers, torch.distributed (gloo) CPU",
+        f"weight transfer, 1 producer -> {args.consumers} TP-2 consumers, {args.comm} "
+        f"on {args.device}",
         cols,
         [
             [
                 r["case"],
+                r["path"],
                 r["tensors"],
                 human(r["bytes_moved"]),
                 r["chunks"],

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
@@ -70,10 +71,11 @@ from vllm_dist.tasks.weight_transfer.plan import (
     PlanMismatchError,
     Request,
     buffer_alloc_bytes,
-    build_chunks,
+    cut_chunks,
     decode_requests,
     encode_requests,
-    pair_digest,
+    item_sizes,
+    plan_digest,
     slot_bytes,
 )
 from vllm_dist.tasks.weight_transfer.ring import (
@@ -192,6 +194,7 @@ class _Pair:
     slot_bytes: int
     ring: ServeRing | None = None
     worker: SerialWorker | None = None
+    names: list[str] = field(default_factory=list)  # producer side: the name of each item
     remote_name: str = ""  # READ path: the producer's exposed ring for this pair
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
@@ -352,14 +355,44 @@ class WeightProducer(_Engine):
             self._pairs[cid] = _Pair(peer_rank=crank, chunks=[], requests=[], slot_bytes=0)
             return
         try:
-            requests = decode_requests(payload)
+            kinds, names, ids = decode_requests(payload)
         except ValueError as exc:
             raise UnsafeOpError(f"consumer {cid} sent {exc}") from None
-        checked: set[int] = set()
-        for r in requests:
-            self._check_request(cid, index, r, checked)
-        chunks = build_chunks(cid, requests, index.router, self.layout, producer=self.producer_id)
-        digest = pair_digest(cid, self.producer_id, requests, chunks, index.router, self.layout)
+        pos = self._check_names(cid, index, names)
+        sizes = self._check_kinds(cid, index, kinds, names, ids, pos)
+        chunks = cut_chunks(
+            index.group_ids[pos],
+            index.class_ids[pos],
+            np.full(len(pos), self.producer_id),
+            sizes[ids],
+            self.layout,
+        )
+        encoded = (kinds, names, ids.tobytes())
+        digest = plan_digest(cid, self.producer_id, chunks, encoded, index.router, self.layout)
+        self._compare(cid, chunks, digest, reserve_msg)
+        slot = slot_bytes(chunks, self.producer_id, self.layout.align)
+        pair = _Pair(peer_rank=crank, chunks=chunks, requests=[], slot_bytes=slot, names=names)
+        items = _item_table([Request("", *k) for k in kinds])
+        prefixes = _shared_splits([Request("", *k) for k in kinds], 0)
+        id_list = ids.tolist()
+        pair.items = [items[k] for k in id_list]
+        pair.prefixes = [prefixes[k] for k in id_list]
+        pair.views = {
+            c.index: _PackPlan(
+                names=[names[i] for i in c.items], prefixes=[pair.prefixes[i] for i in c.items]
+            )
+            for c in chunks
+        }
+        if chunks:
+            ring_bytes = slot * self.layout.ring_slots
+            alloc = buffer_alloc_bytes(ring_bytes, self.config.presize_bytes)
+            buf = torch.empty(alloc, dtype=torch.uint8, device=self.communicator.device)
+            pair.ring = ServeRing(buf, self.layout.ring_slots, slot)
+            if not self._read:
+                pair.worker = SerialWorker(f"wt-serve-c{cid}")
+        self._pairs[cid] = pair
+
+    def _compare(self, cid: int, chunks: list[Chunk], digest: str, reserve_msg: Any) -> None:
         _verb, _sender, nbytes, their_digest = reserve_msg
         if their_digest != digest:
             raise PlanMismatchError(
@@ -368,47 +401,56 @@ class WeightProducer(_Engine):
                 "(model, TransferConfig, workers_per_replica, or held names); deploy both sides "
                 "from the same configuration"
             )
-        slot = slot_bytes(chunks, self.producer_id, self.layout.align)
-        ring_bytes = slot * self.layout.ring_slots
+        ring_bytes = (
+            slot_bytes(chunks, self.producer_id, self.layout.align) * self.layout.ring_slots
+        )
         if nbytes != ring_bytes:
             raise PlanMismatchError(
                 f"consumer {cid} reserved {nbytes} B of serve ring but the plan needs {ring_bytes}"
             )
-        pair = _Pair(peer_rank=crank, chunks=chunks, requests=requests, slot_bytes=slot)
-        pair.items = _item_table(requests)
-        pair.prefixes = _shared_splits(requests, 0)
-        pair.views = {
-            c.index: _PackPlan(
-                names=[requests[i].name for i in c.items],
-                prefixes=[pair.prefixes[i] for i in c.items],
-            )
-            for c in chunks
-        }
-        if chunks:
-            alloc = buffer_alloc_bytes(ring_bytes, self.config.presize_bytes)
-            buf = torch.empty(alloc, dtype=torch.uint8, device=self.communicator.device)
-            pair.ring = ServeRing(buf, self.layout.ring_slots, slot)
-            if not self._read:
-                pair.worker = SerialWorker(f"wt-serve-c{cid}")
-        self._pairs[cid] = pair
 
-    def _check_request(self, cid: int, index: ModelIndex, req: Request, checked: set[int]) -> None:
-        """Refuse a name this producer does not serve, an unsafe chain or a false shape."""
-        meta = index.meta.get(req.name)
-        if meta is None or self.producer_id not in index.holders.get(req.name, []):
+    def _check_names(self, cid: int, index: ModelIndex, names: list[str]) -> np.ndarray:
+        """Positions of ``names`` in the index; refuses names this producer does not serve."""
+        pos = np.fromiter((index.position.get(n, -1) for n in names), np.int64, len(names))
+        known = pos >= 0
+        held = np.zeros(len(pos), dtype=bool)
+        held[known] = index.held_by(self.producer_id)[pos[known]]
+        if not held.all():
+            name = names[int(np.argmin(held))]
             raise UnservedNameError(
-                f"consumer {cid} asked producer {self.producer_id} for {req.name!r}, which it "
+                f"consumer {cid} asked producer {self.producer_id} for {name!r}, which it "
                 "does not hold; refusing to serve it"
             )
-        routed = index.router.producer_for(cid, req.name)
-        if routed != self.producer_id:
+        routed = index.routes(cid, pos)
+        if (routed != self.producer_id).any():
+            i = int(np.argmax(routed != self.producer_id))
             raise UnservedNameError(
-                f"consumer {cid} asked producer {self.producer_id} for {req.name!r}, which this "
-                f"deployment routes to producer {routed}; refusing to serve it"
+                f"consumer {cid} asked producer {self.producer_id} for {names[i]!r}, which this "
+                f"deployment routes to producer {int(routed[i])}; refusing to serve it"
             )
-        if id(req.chain) not in checked:  # requests share chain objects: check each once
-            check_chain(req.chain)
-            checked.add(id(req.chain))
+        return pos
+
+    def _check_kinds(
+        self,
+        cid: int,
+        index: ModelIndex,
+        kinds: list[Any],
+        names: list[str],
+        ids: np.ndarray,
+        pos: np.ndarray,
+    ) -> np.ndarray:
+        """Check each distinct (chain, source shape) once; returns the bytes of each kind."""
+        pairs, first = np.unique(
+            np.stack([ids.astype(np.int64), index.shape_ids[pos]]), axis=1, return_index=True
+        )
+        for (k, _sid), i in zip(pairs.T.tolist(), first.tolist(), strict=True):
+            self._check_request(cid, index, Request(names[i], *kinds[k]))
+        return np.asarray([Request("", *k).nbytes for k in kinds] or [0], dtype=np.int64)
+
+    def _check_request(self, cid: int, index: ModelIndex, req: Request) -> None:
+        """Refuse an unsafe chain or a shape that does not follow from the weight's metadata."""
+        meta = index.meta[req.name]
+        check_chain(req.chain)
         try:
             shape, wire = self._shapes(meta.shape, meta.torch_dtype, req.chain)
         except UnsafeOpError:
@@ -435,7 +477,7 @@ class WeightProducer(_Engine):
         served: dict[int, set[str]] = {}
         for pair in self._pairs.values():
             for c in pair.chunks:
-                served.setdefault(c.group, set()).update(pair.requests[i].name for i in c.items)
+                served.setdefault(c.group, set()).update(pair.names[i] for i in c.items)
         self._group_names = {
             g: [n for n in self.index.groups[g] if n in names] for g, names in served.items()
         }
@@ -714,7 +756,7 @@ class WeightConsumer(_Engine):
             self.bake_seconds = time.perf_counter() - t0
             self._dests = [self._dest_view(name, chain) for name, chain in dests]
             self._dest_params = [name for name, _ in dests]
-            self.chunks = build_chunks(self.consumer_id, self.requests, index.router, self.layout)
+            self.chunks = self._plan(index)
         except Exception as exc:  # reported to the fleet below
             error = exc
         self._send_plans(index, error)
@@ -723,6 +765,23 @@ class WeightConsumer(_Engine):
         if self._read:
             self._connect_read()
         self.setup_seconds = time.perf_counter() - start
+
+    def _plan(self, index: ModelIndex) -> list[Chunk]:
+        """``build_chunks`` over the index's per-name arrays (a name it lacks: group 0,
+        class 0, as the router resolves it; the producer then refuses it)."""
+        names = [r.name for r in self.requests]
+        pos = np.fromiter((index.position.get(n, -1) for n in names), np.int64, len(names))
+        known = pos >= 0
+        groups = np.where(known, index.group_ids[np.maximum(pos, 0)], 0) if len(pos) else pos
+        classes = np.where(known, index.class_ids[np.maximum(pos, 0)], 0) if len(pos) else pos
+        producers = np.asarray(
+            [
+                index.router.producer_for_group(self.consumer_id, g, k)
+                for g, k in zip(groups.tolist(), classes.tolist(), strict=True)
+            ],
+            dtype=np.int64,
+        )
+        return cut_chunks(groups, classes, producers, item_sizes(self.requests), self.layout)
 
     def _connect_read(self) -> None:
         """Learn the producers' rings (collective with ``_expose_rings``); pin local buffers.
@@ -810,8 +869,8 @@ class WeightConsumer(_Engine):
                 payload = encode_requests(
                     [self.requests[i] for c in self.chunks if c.producer == p for i in c.items]
                 )
-                digests[p] = pair_digest(
-                    self.consumer_id, p, self.requests, self.chunks, router, self.layout
+                digests[p] = plan_digest(
+                    self.consumer_id, p, self.chunks, payload, router, self.layout
                 )
             self.coordinator.send_object(("plan", self.consumer_id, payload), prank)
             reserve[p] = slot_bytes(self.chunks, p, self.layout.align) * self.layout.ring_slots

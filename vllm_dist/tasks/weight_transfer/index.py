@@ -7,8 +7,10 @@ gathered over the coordinator at set-up, so routes need no further messages.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from vllm_dist.tasks.weight_transfer.groups import layerwise_groups
 from vllm_dist.tasks.weight_transfer.router import RdtRouter
@@ -42,13 +44,38 @@ def _facts_from_columns(
 
 @dataclass(frozen=True, kw_only=True)
 class ModelIndex:
-    """Names in gather order, their metadata, groups and the router over them."""
+    """Names in gather order, their metadata, groups and the router over them.
+
+    The arrays are per name in ``names`` order (``position[name]``): the gather group, the
+    owner class, and the id of its (shape, dtype) in ``shapes``; they let a producer check and
+    plan 100,000 requested names with array operations instead of per-name calls.
+    """
 
     names: list[str]
     meta: dict[str, WeightMeta]
     groups: list[list[str]]
     holders: dict[str, list[int]]
     router: RdtRouter
+    position: dict[str, int] = field(default_factory=dict)
+    group_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    class_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    shape_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    shapes: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
+
+    def routes(self, consumer_id: int, positions: np.ndarray) -> np.ndarray:
+        """The producer that serves each name at ``positions`` to ``consumer_id``."""
+        g = self.group_ids[positions]
+        k = self.class_ids[positions]
+        pairs, inverse = np.unique(np.stack([g, k]), axis=1, return_inverse=True)
+        per_pair = [
+            self.router.producer_for_group(consumer_id, int(gi), int(ki)) for gi, ki in pairs.T
+        ]
+        return np.asarray(per_pair, dtype=np.int64)[inverse.reshape(-1)]
+
+    def held_by(self, producer: int) -> np.ndarray:
+        """Per name: whether ``producer`` holds it."""
+        owning = [k for k, owners in enumerate(self.router.owner_sets) if producer in owners]
+        return np.isin(self.class_ids, owning)
 
 
 def build_index(
@@ -83,4 +110,19 @@ def build_index(
         workers_per_replica=workers_per_replica,
     )
     router.validate()
-    return ModelIndex(names=names, meta=meta, groups=groups, holders=holders, router=router)
+    shape_table: dict[tuple[tuple[int, ...], str], int] = {}
+    shape_ids = [
+        shape_table.setdefault((meta[n].shape, meta[n].dtype), len(shape_table)) for n in names
+    ]
+    return ModelIndex(
+        names=names,
+        meta=meta,
+        groups=groups,
+        holders=holders,
+        router=router,
+        position={n: i for i, n in enumerate(names)},
+        group_ids=np.repeat(np.arange(len(groups)), [len(g) for g in groups]),
+        class_ids=np.asarray(name_class, dtype=np.int64),
+        shape_ids=np.asarray(shape_ids, dtype=np.int64),
+        shapes=list(shape_table),
+    )

@@ -113,7 +113,7 @@ def bake(
     return tape
 
 
-_PLAIN = (int, float, str, bool, bytes, type(None), torch.dtype)
+_PLAIN = frozenset({int, float, str, bool, bytes, type(None), torch.dtype, types.FunctionType})
 
 
 def loader_key(loader: Any) -> Hashable | None:
@@ -125,24 +125,29 @@ def loader_key(loader: Any) -> Hashable | None:
     loaded by a handful of such closures then bake a handful of times. Anything else (a bound
     method, a closure over an object) gets None and is baked per name.
     """
-    if isinstance(loader, functools.partial):
+    if type(loader) is functools.partial:
         inner = loader_key(loader.func)
         parts = (*loader.args, *sorted(loader.keywords.items()))
         if inner is None or not all(_plain(p) for p in parts):
             return None
         return ("partial", inner, parts)
-    code = getattr(loader, "__code__", None)
-    if code is None or not isinstance(loader, types.FunctionType):
+    if type(loader) is not types.FunctionType:
         return None
-    cells = tuple(c.cell_contents for c in loader.__closure__ or ())
+    closure = loader.__closure__
+    cells = tuple([c.cell_contents for c in closure]) if closure else ()
+    for v in cells:
+        if type(v) not in _PLAIN and not _plain(v):
+            return None
+    if loader.__defaults__ is None and loader.__kwdefaults__ is None:
+        return (loader.__code__, cells)
     defaults = (loader.__defaults__ or (), tuple(sorted((loader.__kwdefaults__ or {}).items())))
-    if not all(_plain(v) for v in (*cells, *defaults[0], *defaults[1])):
+    if not _plain(defaults):
         return None
-    return (code, cells, defaults)
+    return (loader.__code__, cells, defaults)
 
 
 def _plain(value: Any) -> bool:
-    if isinstance(value, (*_PLAIN, types.FunctionType)):
+    if type(value) in _PLAIN:
         return True
     if type(value) is tuple:
         return all(_plain(v) for v in value)

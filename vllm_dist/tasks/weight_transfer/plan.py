@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vllm_dist.tasks.weight_transfer.ops import OpChain
 from vllm_dist.tasks.weight_transfer.router import RdtRouter
 from vllm_dist.tasks.weight_transfer.source import dtype_from_str
@@ -118,13 +120,33 @@ def build_chunks(
     With ``producer`` given, only that producer's chunks are built (``index`` then counts that
     producer's chunks only); a producer uses this on the requests a consumer sent it.
     """
-    sizes = item_sizes(requests)
-    keyed = []
-    for i, req in enumerate(requests):
-        p = router.producer_for(consumer_id, req.name)
-        if producer is None or p == producer:
-            keyed.append((router.group_of(req.name), router.class_of(req.name), i, p))
-    keyed.sort()
+    names = [r.name for r in requests]
+    return cut_chunks(
+        [router.group_of(n) for n in names],
+        [router.class_of(n) for n in names],
+        [router.producer_for(consumer_id, n) for n in names],
+        item_sizes(requests),
+        layout,
+        producer,
+    )
+
+
+def cut_chunks(
+    groups: Sequence[int] | np.ndarray,
+    classes: Sequence[int] | np.ndarray,
+    producers: Sequence[int] | np.ndarray,
+    sizes: Sequence[int] | np.ndarray,
+    layout: LayoutConfig,
+    producer: int | None = None,
+) -> list[Chunk]:
+    """``build_chunks`` on per-item arrays (group, owner class, producer, bytes)."""
+    g, k, p = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (groups, classes, producers))
+    items = np.arange(len(g))
+    if producer is not None:
+        items = items[p == producer]
+    order = items[np.lexsort((items, k[items], g[items]))].tolist()
+    glist, klist, plist = g.tolist(), k.tolist(), p.tolist()
+    nlist = np.asarray(sizes, dtype=np.int64).reshape(-1).tolist()
     chunks: list[Chunk] = []
     seqs: dict[int, int] = {}
     cur: list[int] = []
@@ -135,19 +157,21 @@ def build_chunks(
 
     def flush() -> None:
         if cur and key is not None:
-            p = key[2]
-            seq = seqs.get(p, 0)
-            seqs[p] = seq + 1
-            chunks.append(Chunk(p, key[0], key[1], len(chunks), seq, size, tuple(cur), tuple(offs)))
+            seq = seqs.get(key[2], 0)
+            seqs[key[2]] = seq + 1
+            chunks.append(
+                Chunk(key[2], key[0], key[1], len(chunks), seq, size, tuple(cur), tuple(offs))
+            )
 
-    for g, k, i, p in keyed:
-        nbytes = sizes[i]
+    for i in order:
+        nbytes = nlist[i]
         start = -(-size // align) * align
         alone = nbytes >= alone_at
-        if (g, k, p) != key or (cur and (alone or start + nbytes > limit)):
+        item_key = (glist[i], klist[i], plist[i])
+        if item_key != key or (cur and (alone or start + nbytes > limit)):
             flush()
             cur, offs, size = [], [], 0
-            key, start = (g, k, p), 0
+            key, start = item_key, 0
         cur.append(i)
         offs.append(start)
         size = start + nbytes
@@ -179,31 +203,37 @@ def pair_digest(
     router: RdtRouter,
     layout: LayoutConfig,
 ) -> str:
-    """A digest of what ``producer`` serves ``consumer_id``: routes, layout and items.
+    """A digest of what ``producer`` serves ``consumer_id``: routes, layout and items."""
+    mine = [requests[i] for c in chunks if c.producer == producer for i in c.items]
+    return plan_digest(consumer_id, producer, chunks, encode_requests(mine), router, layout)
 
-    Hashes flat arrays (chunk headers, offsets, a kind id per item), the names joined, and the
-    table of distinct (chain, shape, dtype, wire shape) kinds, so 100,000 items cost one pass.
+
+def plan_digest(
+    consumer_id: int,
+    producer: int,
+    chunks: Sequence[Chunk],
+    encoded: tuple[list[Kind], list[str], bytes],
+    router: RdtRouter,
+    layout: LayoutConfig,
+) -> str:
+    """``pair_digest`` from the encoded items of ``producer``'s chunks, in chunk order.
+
+    Hashes flat arrays (chunk headers, offsets, a kind id per item), the names joined and the
+    kind table, so 100,000 items cost a few bulk operations.
     """
+    kinds, names, ids = encoded
     h = hashlib.sha256()
     h.update(repr((router.fingerprint(), layout, consumer_id, producer)).encode())
     heads = array("q")
     offsets = array("q")
-    kind_ids = array("q")
-    names: list[str] = []
-    kinds = KindTable()
     for c in chunks:
-        if c.producer != producer:
-            continue
-        heads.extend((c.seq, c.group, c.owner_class, c.nbytes, len(c.items)))
-        offsets.extend(c.offsets)
-        for i in c.items:
-            r = requests[i]
-            names.append(r.name)
-            kind_ids.append(kinds.add(r))
-    for part in (heads, offsets, kind_ids):
-        h.update(part.tobytes())
+        if c.producer == producer:
+            heads.extend((c.seq, c.group, c.owner_class, c.nbytes, len(c.items)))
+            offsets.extend(c.offsets)
+    for part in (heads.tobytes(), offsets.tobytes(), bytes(ids)):
+        h.update(part)
     h.update("\0".join(names).encode())
-    h.update(repr(kinds.kinds).encode())
+    h.update(repr(kinds).encode())
     return h.hexdigest()
 
 
@@ -237,20 +267,20 @@ def encode_requests(requests: Sequence[Request]) -> tuple[list[Kind], list[str],
     return kinds.kinds, [r.name for r in requests], ids.tobytes()
 
 
-def decode_requests(payload: object) -> list[Request]:
-    """The inverse of ``encode_requests``; ``ValueError`` for anything malformed.
+def decode_requests(payload: object) -> tuple[list[Kind], list[str], np.ndarray]:
+    """Check the structure of an ``encode_requests`` payload: (kinds, names, kind id array).
 
-    Only the structure is checked here: chains, names and shapes are checked by the producer.
+    Raises ``ValueError`` for anything malformed; chains, names and shapes are checked by the
+    producer against its own index.
     """
     kinds: Any
     names: Any
     raw: Any
     try:
         kinds, names, raw = payload  # type: ignore[misc]
-        ids = array("i")
-        ids.frombytes(raw)
-        table = [
-            (chain, tuple(shape), str(dtype), None if w is None else tuple(w))
+        ids = np.frombuffer(raw, dtype=np.int32)
+        table: list[Kind] = [
+            (chain, tuple(int(d) for d in shape), str(dtype), None if w is None else tuple(w))
             for chain, shape, dtype, w in kinds
         ]
     except (TypeError, ValueError) as exc:
@@ -259,9 +289,9 @@ def decode_requests(payload: object) -> list[Request]:
         raise ValueError(
             f"a malformed plan: {len(ids)} kind ids for a names list of {type(names).__name__}"
         )
-    if ids and not 0 <= min(ids) <= max(ids) < len(table):
+    if len(ids) and not (int(ids.min()) >= 0 and int(ids.max()) < len(table)):
         raise ValueError(f"a malformed plan: kind ids outside 0..{len(table) - 1}")
-    return [Request(str(n), *table[k]) for n, k in zip(names, ids, strict=True)]
+    return table, names, ids
 
 
 def slot_bytes(chunks: Sequence[Chunk], producer: int, align: int = 256) -> int:

@@ -151,13 +151,26 @@ class RdtRouter:
 
     def producer_for(self, consumer_id: int, name: str) -> int:
         """The producer that serves ``name`` to consumer ``consumer_id``."""
+        return self.producer_for_group(
+            consumer_id, self._group.get(name, 0), self._class.get(name, 0), name
+        )
+
+    def producer_for_group(
+        self, consumer_id: int, group: int, owner_class: int, name: str = "?"
+    ) -> int:
+        """The producer that serves consumer ``consumer_id`` the names of ``owner_class`` in
+        gather group ``group`` (what ``producer_for`` resolves a name to)."""
         b = self.workers_per_replica
-        key = (consumer_id % b, self._class.get(name, 0), self._group.get(name, 0))
+        key = (consumer_id % b, owner_class, group)
         p = self._routes.get(key)  # depends on (worker, class, group) only: memoised
         if p is None:
-            owners = self.owners(name)
+            if not 0 <= owner_class < len(self.owner_sets):
+                raise ValueError(
+                    f"name {name!r}: owner class {owner_class} does not exist; call validate()"
+                )
+            owners = self.owner_sets[owner_class]
             block = assign_producer_indices(len(owners), b, key[0])
-            p = self._routes[key] = owners[block[key[2] % len(block)]]
+            p = self._routes[key] = owners[block[group % len(block)]]
         return p
 
     def fingerprint(self) -> tuple[Any, ...]:
