@@ -483,6 +483,15 @@ def _rdt_actor_classes() -> tuple[Any, Any]:
                 out.append((ok, secs, same))
             return out
 
+        def fetch_lent(self, refs: list[Any], sizes: list[int], seed: int) -> bool:
+            """Fetch a ref the caller owns and lent inside a list."""
+            targets = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+            nixl_rdt.ray_rdt_fetch_into(refs[0], targets, timeout=RDT_TIMEOUT)
+            return all(
+                torch.equal(t, rdt_pattern(n, seed + i, self.device))
+                for i, (t, n) in enumerate(zip(targets, sizes, strict=True))
+            )
+
         def fetch_refills(self, producer: Any, nbytes: int, rounds: int) -> list[bool]:
             target = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             oks = []
@@ -504,6 +513,10 @@ def _rdt_actor_classes() -> tuple[Any, Any]:
                 ray.wait([ref], timeout=RDT_CALL_TIMEOUT)
             else:
                 ref = producer.stall.remote(RDT_CALL_TIMEOUT)
+            target = torch.empty(nbytes, dtype=torch.uint8)
+            results = []
+            if when == "before_return":  # alive but stuck: the wait for it ends at the timeout
+                results.append(self._fetch_error(ref, target, 1.0))
             ray.kill(producer, no_restart=True)
             for _ in range(200):  # the process is gone before the fetch starts
                 try:
@@ -511,7 +524,11 @@ def _rdt_actor_classes() -> tuple[Any, Any]:
                 except ProcessLookupError:
                     break
                 time.sleep(0.05)
-            target = torch.empty(nbytes, dtype=torch.uint8)
+            results.append(self._fetch_error(ref, target, timeout))
+            return results
+
+        @staticmethod
+        def _fetch_error(ref: Any, target: torch.Tensor, timeout: float) -> tuple[str, float, str]:
             start = time.monotonic()
             try:
                 nixl_rdt.ray_rdt_fetch_into(ref, [target], timeout=timeout)
@@ -554,13 +571,24 @@ def test_ray_rdt_fetch_into_targets_cpu(ray_session: Any) -> None:
             consumer.fetch_refills.remote(producer, (1 << 20) + 1, 6), timeout=RDT_CALL_TIMEOUT
         )
         assert oks == [True] * 6
+        # refs this process owns, lent to the consumer inside a list once Ray can lend them
+        lent = [4096, (1 << 20) + 7]
+        for r in range(8):
+            ref = producer.make.remote(lent, 50 + r)
+            nixl_rdt.ray_rdt_wait_lendable([ref], timeout=RDT_TIMEOUT)
+            ok = ray.get(consumer.fetch_lent.remote([ref], lent, 50 + r), timeout=RDT_CALL_TIMEOUT)
+            assert ok is True, r
 
         # a producer killed after it returned (the READ finds no agent), or while it works
         timeout = 5.0
         for when, victim in zip(("after_return", "before_return"), dead, strict=True):
-            kind, secs, msg = ray.get(
+            results = ray.get(
                 consumer.fetch_after_kill.remote(victim, when, timeout), timeout=RDT_CALL_TIMEOUT
             )
+            if when == "before_return":  # first, while it was alive but stuck
+                kind, secs, msg = results.pop(0)
+                assert kind == "NixlTimeoutError" and 0.9 < secs < 4, (kind, secs, msg)
+            (kind, secs, msg) = results[0]
             assert kind in ("NixlTransferError", "NixlTimeoutError"), (when, kind, msg)
             assert secs < timeout + 3, (when, kind, secs, msg)
             assert "Ray Direct Transport" in msg and "producer" in msg, msg

@@ -1111,7 +1111,8 @@ def ray_rdt_fetch_into(ref: Any, targets: Sequence[torch.Tensor], *, timeout: fl
     the producer returned, its tensors being ``targets``: the bytes are in ``targets`` when this
     returns, also when Ray served the object from this process without a transfer. Call it in an
     actor or driver that owns ``ref`` or borrowed it inside a container (a top-level actor-call
-    argument is resolved by Ray before the call starts).
+    argument is resolved by Ray before the call starts; the owner lends it once
+    ``ray_rdt_wait_lendable`` returned).
 
     Every wait is bounded by ``timeout`` seconds in all: the producer's call finishing, then the
     NIXL READ (Ray's own limit, ``RAY_rdt_fetch_fail_timeout_milliseconds``, applies too).
@@ -1179,6 +1180,47 @@ def ray_rdt_fetch_into(ref: Any, targets: Sequence[torch.Tensor], *, timeout: fl
         ) from exc
     _land_in_targets(value, targets)
     return value
+
+
+def ray_rdt_wait_lendable(refs: Sequence[Any], *, timeout: float) -> None:
+    """Wait until RDT ``refs`` this process owns can be lent to another actor inside a container.
+
+    Ray 2.60 refuses to pass an RDT ref on (``NotImplementedError``: "Tensor transport metadata is
+    not available ... at the time of borrowing") until the owner has the producer's transport
+    metadata, which can arrive after ``ray.wait`` already reported the ref ready (about one lend
+    in three failed on the CPU machine right after ``ray.wait``). Refs that are not RDT refs of
+    this process pass through.
+
+    Raises:
+        NixlTimeoutError: a producer did not return, or its metadata did not arrive, in time (a
+            producer that died never sends it).
+    """
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    check_ray_rdt_version()
+    import ray
+
+    refs = list(refs)
+    if not refs:
+        return
+    deadline = time.monotonic() + timeout
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if len(ready) < len(refs):
+        raise NixlTimeoutError(
+            f"Ray Direct Transport: {len(refs) - len(ready)} of {len(refs)} producers did not "
+            f"return within {timeout} s"
+        )
+    manager = ray._private.worker.global_worker.rdt_manager
+    for ref in refs:
+        meta = manager.get_rdt_metadata(ref.hex())
+        if meta is None or meta.tensor_transport_meta is not None:
+            continue
+        left = max(deadline - time.monotonic(), 0.0)
+        if manager.wait_for_tensor_transport_metadata(ref.hex(), left) is None:
+            raise NixlTimeoutError(
+                f"Ray Direct Transport: the transport metadata of {ref} did not reach its owner "
+                f"within {timeout} s (did its producer fail or die?)"
+            )
 
 
 def _first_line(exc: BaseException) -> str:
