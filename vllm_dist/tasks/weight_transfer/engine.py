@@ -196,6 +196,7 @@ class _Pair:
     worker: SerialWorker | None = None
     names: list[str] = field(default_factory=list)  # producer side: the name of each item
     remote_name: str = ""  # READ path: the producer's exposed ring for this pair
+    told: set[str] = field(default_factory=set)  # READ: exposed sources this consumer knows
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
@@ -314,6 +315,8 @@ class WeightProducer(_Engine):
         self.producer_id = fleet.producer_ranks.index(rank)
         self.source = source
         self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
+        self._source_names: dict[tuple[int, int], tuple[str, Any]] = {}  # exposed sources
+        self._seen_sources: tuple[set[Any], set[Any]] = (set(), set())  # (last sync, this one)
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -505,6 +508,7 @@ class WeightProducer(_Engine):
         self._drain(barrier)
         barrier.wait_all(self.config.stall_timeout)
         self._release(barrier, opened)
+        self._seen_sources = (self._seen_sources[1], set())
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=moved,
@@ -541,20 +545,60 @@ class WeightProducer(_Engine):
         tensors: Mapping[str, torch.Tensor],
         barrier: FreeBarrier,
     ) -> None:
-        """Pack into slot ``seq % K`` once its last reader is done, then tell the consumer."""
+        """Tell the consumer where chunk ``seq`` is: in its source (exposed, no pack) or
+        packed into slot ``seq % K`` once that slot's last reader is done."""
         assert pair.ring is not None
-        k = pair.ring.slots
-        while pair.pending and pair.pending[0][0] <= chunk.seq - k:
-            self._take_done(cid, pair, barrier, block=True)
-        start = (chunk.seq % k) * pair.slot_bytes
-        slot = pair.ring.buffer[start : start + chunk.nbytes]
-        self._pack(slot, pair, chunk, tensors)
-        device_synchronize(slot.device)
-        message = ready_message(self._syncs, chunk.seq, start, chunk.nbytes)
+        exposed = self._exposed_source(pair, chunk, tensors)
+        if exposed is not None:
+            name, offset, desc = exposed
+            message = ready_message(self._syncs, chunk.seq, offset, chunk.nbytes, name, desc)
+        else:
+            k = pair.ring.slots
+            while pair.pending and pair.pending[0][0] <= chunk.seq - k:
+                self._take_done(cid, pair, barrier, block=True)
+            start = (chunk.seq % k) * pair.slot_bytes
+            slot = pair.ring.buffer[start : start + chunk.nbytes]
+            self._pack(slot, pair, chunk, tensors)
+            device_synchronize(slot.device)
+            message = ready_message(self._syncs, chunk.seq, start, chunk.nbytes)
         self.communicator.notify(pair.peer_rank, message)  # type: ignore[attr-defined]
         pair.pending.append((chunk.seq, chunk.group))
         while pair.pending and self._take_done(cid, pair, barrier, block=False):
             pass
+
+    def _exposed_source(
+        self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[str, int, Any] | None:
+        """(buffer name, byte offset, descriptor if new) of a one-item chunk read in place.
+
+        Only a contiguous source whose storage was already there last sync is exposed (a
+        trainer that gathers into fresh memory every sync gets packed copies instead of an
+        ever-growing set of registrations); it stays exposed until ``close``.
+        """
+        if len(chunk.items) != 1:
+            return None
+        view = self._sources(pair, chunk, tensors)[0]
+        if not view.is_contiguous():
+            return None
+        storage = view.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        offset = view.data_ptr() - key[0]
+        known = self._source_names.get(key)
+        if known is None:
+            if key not in self._seen_sources[0]:
+                self._seen_sources[1].add(key)
+                return None
+            name = f"wt-src-p{self.producer_id}-{len(self._source_names)}"
+            whole = torch.empty(0, dtype=torch.uint8, device=view.device)
+            whole.set_(storage, 0, (key[1],), (1,))
+            desc = self.communicator.expose(whole, name)  # type: ignore[attr-defined]
+            self._exposed.append(name)
+            known = self._source_names[key] = (name, desc)
+        name, desc = known
+        if name in pair.told:
+            return name, offset, None
+        pair.told.add(name)  # this consumer imports the descriptor once
+        return name, offset, desc
 
     def _take_done(self, cid: int, pair: _Pair, barrier: FreeBarrier, *, block: bool) -> bool:
         """Consume one 'done' from consumer ``cid`` (waiting for it when ``block``)."""
@@ -949,7 +993,9 @@ class WeightConsumer(_Engine):
             pair = self._pairs[chunk.producer]
             what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
             msg = wait_message(comm, pair.peer_rank, timeout, what)
-            sync, seq, offset, nbytes = parse_ready(msg, what)
+            sync, seq, offset, nbytes, source, desc = parse_ready(msg, what)
+            if desc is not None:
+                comm.import_exposed(desc)  # type: ignore[attr-defined]
             if (sync, seq, nbytes) != (self._syncs, chunk.seq, chunk.nbytes):
                 raise RuntimeError(
                     f"{what}: producer announced (sync, seq, nbytes) {(sync, seq, nbytes)}, "
@@ -959,7 +1005,8 @@ class WeightConsumer(_Engine):
             if pending is not None and pending[0].data_ptr() == target.data_ptr():
                 self._unpack(*pending)  # same staging slot (K = 1): unpack before reusing it
                 pending = None
-            handle = comm.read_async(pair.peer_rank, pair.remote_name, target, offset)  # type: ignore[attr-defined]
+            remote = pair.remote_name if source is None else source
+            handle = comm.read_async(pair.peer_rank, remote, target, offset)  # type: ignore[attr-defined]
             if pending is not None:
                 self._unpack(*pending)
             wait_read(handle, timeout, what)

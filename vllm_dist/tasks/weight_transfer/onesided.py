@@ -15,6 +15,7 @@ the transfer that the consumer's side can issue and overlap with its own unpacki
 
 from __future__ import annotations
 
+import pickle
 import struct
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -41,7 +42,9 @@ class OneSidedCommunicator(Protocol):
     ``read_async`` copies, from peer ``peer``'s buffer ``remote_name``, ``local``'s byte size
     starting at byte ``remote_offset`` into ``local`` — or, given a list of
     ``(view, offset, nbytes)``, each piece from ``remote_offset + offset`` in one request;
-    ``notify`` / ``wait_notification`` (``TimeoutError`` after ``timeout``) carry the ring's
+    ``import_exposed`` makes a descriptor that ``expose`` returned on a peer (handed over out of
+    band, picklable) addressable; ``notify`` / ``wait_notification`` (``TimeoutError`` after
+    ``timeout``) carry the ring's
     ready / done messages, in order per peer. Ranks are the communicator's group ranks. A
     Protocol, not an ABC: a backend offers it without importing this package.
     """
@@ -58,13 +61,17 @@ class OneSidedCommunicator(Protocol):
         remote_offset: int = 0,
     ) -> ReadHandle: ...
 
+    def import_exposed(self, desc: Any) -> None: ...
+
     def notify(self, peer: int, message: bytes) -> None: ...
 
     def wait_notification(self, peer: int, timeout: float | None = None) -> bytes: ...
 
 
-_READY = struct.Struct("<cqqqq")  # b"R", sync, seq, offset, nbytes
+_READY = struct.Struct("<cqqqq")  # kind, sync, seq, offset, nbytes (+ a tail, see below)
 _DONE = struct.Struct("<cqq")  # b"D", sync, seq
+# ready kinds: b"R" the bytes are in the pair's ring; b"S" in the exposed source buffer named by
+# the tail (utf-8); b"X" likewise, exposed just now: the tail pickles (name, descriptor)
 
 
 def ring_name(producer_id: int, consumer_id: int) -> str:
@@ -72,20 +79,39 @@ def ring_name(producer_id: int, consumer_id: int) -> str:
     return f"wt-ring-p{producer_id}-c{consumer_id}"
 
 
-def ready_message(sync: int, seq: int, offset: int, nbytes: int) -> bytes:
-    return _READY.pack(b"R", sync, seq, offset, nbytes)
+def ready_message(
+    sync: int, seq: int, offset: int, nbytes: int, source: str | None = None, desc: Any = None
+) -> bytes:
+    """'Chunk ``seq`` is ready at ``offset``': in the ring, or in exposed buffer ``source``
+    (whose descriptor ``desc`` travels along the first time)."""
+    if source is None:
+        return _READY.pack(b"R", sync, seq, offset, nbytes)
+    if desc is None:
+        return _READY.pack(b"S", sync, seq, offset, nbytes) + source.encode()
+    return _READY.pack(b"X", sync, seq, offset, nbytes) + pickle.dumps((source, desc))
 
 
 def done_message(sync: int, seq: int) -> bytes:
     return _DONE.pack(b"D", sync, seq)
 
 
-def parse_ready(msg: bytes, what: str) -> tuple[int, int, int, int]:
-    """(sync, seq, offset, nbytes) of a ready message; ``RuntimeError`` for anything else."""
-    if len(msg) != _READY.size or msg[:1] != b"R":
+def parse_ready(msg: bytes, what: str) -> tuple[int, int, int, int, str | None, Any]:
+    """(sync, seq, offset, nbytes, source buffer or None for the ring, descriptor or None).
+
+    The descriptor is unpickled: it comes from a producer, which consumers trust (it is the
+    producer that refuses what a consumer asks for, never the other way round).
+    """
+    kind = msg[:1]
+    if len(msg) < _READY.size or kind not in (b"R", b"S", b"X"):
         raise RuntimeError(f"{what}: expected a 'ready' message, got {msg[:32]!r}")
-    _, sync, seq, offset, nbytes = _READY.unpack(msg)
-    return sync, seq, offset, nbytes
+    _, sync, seq, offset, nbytes = _READY.unpack(msg[: _READY.size])
+    tail = msg[_READY.size :]
+    if kind == b"R":
+        return sync, seq, offset, nbytes, None, None
+    if kind == b"S":
+        return sync, seq, offset, nbytes, tail.decode(), None
+    source, desc = pickle.loads(tail)
+    return sync, seq, offset, nbytes, source, desc
 
 
 def parse_done(msg: bytes, what: str) -> tuple[int, int]:
