@@ -389,6 +389,22 @@ def test_send_recv_and_one_sided_under_ray_launcher_cpu(ray_session: Any) -> Non
     assert results[0][1]["last_xfer_backend"] == "UCX"
 
 
+@pytest.mark.ray
+@distributed_test(gpus=1, timeout=300)
+def test_send_recv_and_one_sided_under_ray_launcher_vram_same_gpu(ray_session: Any) -> None:
+    from vllm_dist import RayLauncher
+
+    results = RayLauncher(2, num_gpus_per_task=0.5, timeout=LAUNCH_TIMEOUT).launch(
+        task_type=SendRecvAndOneSidedTask,
+        coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
+        communicator_type=CommunicatorType.NIXL_RDT,
+        device="cuda:0",
+        communicator_options={"timeout": 30.0},
+    )
+    assert all(stats["live_xfer_handles"] == 0 for stats, _ in results)
+    assert results[0][1]["mem_type"] == "VRAM"
+
+
 # -- Ray Direct Transport: tensor_transport="nixl" between two Ray actors ----------------------
 #
 # The consumer calls the producer itself, so it owns the refs and fetches them with ray.get (a
@@ -459,6 +475,8 @@ def _rdt_actor_classes() -> tuple[Any, Any]:
 
         def fetch(self, producer: Any, sizes: list[int], seed: int, rounds: int) -> list[Any]:
             """Per round: (bytes equal, seconds, the value's tensors are the targets)."""
+            import ray
+
             out = []
             targets = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
             for r in range(rounds):
@@ -468,6 +486,7 @@ def _rdt_actor_classes() -> tuple[Any, Any]:
                     ref = producer.make_one.remote(sizes[0], seed + r)
                 else:  # a list of tensors
                     ref = producer.make.remote(sizes, seed + r)
+                ray.wait([ref], timeout=RDT_TIMEOUT)  # time the transfer, not the producing
                 start = time.monotonic()
                 try:
                     value = nixl_rdt.ray_rdt_fetch_into(ref, targets, timeout=RDT_TIMEOUT)
@@ -615,33 +634,36 @@ def test_ray_rdt_fetch_checks_its_arguments() -> None:
 def test_ray_rdt_fetch_into_targets_vram_same_gpu(ray_session: Any) -> None:
     """Two actors sharing one GPU (0.5 each): passes, or fails with our error; never hangs."""
     ray = ray_session
-    consumer = _rdt_actor(ray, 1, "cuda", num_gpus=0.5)
-    producer = _rdt_actor(ray, 0, "cuda", num_gpus=0.5, persistent_nbytes=(64 << 20) + 1)
-    sizes = [1, 4096, (1 << 20) + 7, 64 << 20, 1 << 30]
+    assert ray.cluster_resources().get("GPU", 0) >= 1, f"Ray sees no GPU: {ray.cluster_resources()}"
+    rdt_same_device_check(ray, "cuda", 0.5, [1, 4096, (1 << 20) + 7, 64 << 20, 1 << 30])
+
+
+def rdt_same_device_check(ray: Any, device: str, num_gpus: float, sizes: list[int]) -> None:
+    """Fetch every size 3 times between two actors on ``device``; every wait bounded."""
+    consumer = _rdt_actor(ray, 1, device, num_gpus=num_gpus)
+    producer = _rdt_actor(ray, 0, device, num_gpus=num_gpus, persistent_nbytes=(64 << 20) + 1)
+    call = 90.0  # 3 fetches of RDT_TIMEOUT each, and the patterns
     try:
-        env = ray.get(consumer.env.remote(), timeout=RDT_CALL_TIMEOUT)
+        try:
+            env = ray.get(consumer.env.remote(), timeout=call)
+        except ray.exceptions.GetTimeoutError:
+            pytest.fail(f"the consumer actor did not start within {call} s")
         # set in both actors before their NIXL agents exist (the user's own value wins)
-        assert (
-            env.get(nixl_rdt.CUDA_IPC_GET_ZCOPY)
-            == nixl_rdt.ray_rdt_env()[nixl_rdt.CUDA_IPC_GET_ZCOPY]
-        ), env
+        want = nixl_rdt.ray_rdt_env()[nixl_rdt.CUDA_IPC_GET_ZCOPY]
+        assert env.get(nixl_rdt.CUDA_IPC_GET_ZCOPY) == want, env
         for n in sizes:
             try:
-                rounds = ray.get(
-                    consumer.fetch.remote(producer, [n], n, 3), timeout=RDT_CALL_TIMEOUT
-                )
+                rounds = ray.get(consumer.fetch.remote(producer, [n], n, 3), timeout=call)
             except ray.exceptions.GetTimeoutError:
-                pytest.fail(f"the consumer hung past {RDT_CALL_TIMEOUT} s at {n} bytes (env {env})")
+                pytest.fail(f"the consumer hung past {call} s at {n} bytes (env {env})")
             except ray.exceptions.RayActorError as exc:
                 pytest.fail(f"an actor died during the {n}-byte fetch (env {env}): {exc}")
-            if isinstance(rounds[0][0], str):
+            if isinstance(rounds[0][0], str):  # our error, raised in the consumer
                 pytest.fail(f"{n} bytes: {rounds[0][0]}: {rounds[0][1]} (env {env})")
             assert all(r[0] is True and r[2] for r in rounds), (n, rounds)
             best = min(r[1] for r in rounds)
-            print(f"RDT VRAM same GPU {n} B: best {best * 1e3:.2f} ms, {n / best / 1e9:.2f} GB/s")
-        oks = ray.get(
-            consumer.fetch_refills.remote(producer, (64 << 20) + 1, 4), timeout=RDT_CALL_TIMEOUT
-        )
+            print(f"RDT {device} {n} B: best {best * 1e3:.2f} ms, {n / best / 1e9:.3f} GB/s")
+        oks = ray.get(consumer.fetch_refills.remote(producer, (64 << 20) + 1, 4), timeout=call)
         assert oks == [True] * 4
     finally:
         _kill(ray, consumer, producer)
