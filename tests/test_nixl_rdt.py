@@ -560,8 +560,9 @@ def _rdt_actor_classes() -> tuple[Any, Any]:
 
 def _rdt_actor(ray: Any, which: int, *args: Any, num_gpus: float = 0, **kw: Any) -> Any:
     opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": num_gpus, "max_restarts": 0}
-    if num_gpus:  # both actors, before Ray creates their NIXL agents
-        opts["runtime_env"] = {"env_vars": nixl_rdt.ray_rdt_env()}
+    if num_gpus:  # both actors, before Ray creates their NIXL agents; UCX logs its protocols
+        env = {"UCX_PROTO_INFO": os.environ.get("UCX_PROTO_INFO", "y"), **nixl_rdt.ray_rdt_env()}
+        opts["runtime_env"] = {"env_vars": env}
     return ray.remote(**opts)(_rdt_actor_classes()[which]).remote(*args, **kw)
 
 
