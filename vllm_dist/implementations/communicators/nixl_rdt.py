@@ -50,13 +50,17 @@ import torch
 
 from vllm_dist.implementations.communicators.common import check_tensor, default_device
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoordinator
+from vllm_dist.versions import (  # noqa: F401 - re-exported for the RDT helpers' callers
+    RDT_MIN_RAY_VERSION,
+    RayRdtUnavailableError,
+    check_ray_rdt_version,
+)
 
 if TYPE_CHECKING:
     from nixl._api import nixl_agent, nixl_xfer_handle
 
 INSTALL_HINT = "pip install 'vllm_dist[nixl]'"
 CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
-RDT_MIN_RAY_VERSION = "2.56.0"
 
 # notification kinds (first byte); the rest is a pickled payload
 _READY, _DONE, _ERROR, _USER = b"R", b"D", b"E", b"U"
@@ -68,10 +72,6 @@ class NixlTransferError(RuntimeError):
 
 class NixlTimeoutError(NixlTransferError, TimeoutError):
     """A transfer or a peer's message did not complete within the timeout (peer slow or dead)."""
-
-
-class RayRdtUnavailableError(RuntimeError):
-    """Ray Direct Transport cannot be used here (Ray too old, or a known-bad configuration)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -1002,37 +1002,6 @@ class NixlRdtCommunicator(DeviceCommunicator):
 
 
 # -- Ray Direct Transport --------------------------------------------------------------------------
-
-
-def check_ray_rdt_version(version: str | None = None) -> str:
-    """Refuse Ray older than ``RDT_MIN_RAY_VERSION``; returns the version found.
-
-    Raises:
-        RayRdtUnavailableError: Ray is missing or too old; the message says how to upgrade.
-    """
-    if version is None:
-        try:
-            import ray
-        except ImportError as exc:
-            raise RayRdtUnavailableError(
-                f"Ray Direct Transport needs ray>={RDT_MIN_RAY_VERSION}: "
-                "pip install 'vllm_dist[ray]'"
-            ) from exc
-        version = str(ray.__version__)
-    if _version_tuple(version) < _version_tuple(RDT_MIN_RAY_VERSION):
-        raise RayRdtUnavailableError(
-            f"Ray {version} is too old for Ray Direct Transport (tensor_transport='nixl'); "
-            f"it needs ray>={RDT_MIN_RAY_VERSION}: pip install -U 'ray[default]>={RDT_MIN_RAY_VERSION}'"
-        )
-    return version
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        parts.append(int(digits or 0))
-    return tuple(parts)
 
 
 def ray_rdt_env(environ: dict[str, str] | None = None) -> dict[str, str]:
