@@ -197,6 +197,7 @@ class _Pair:
     names: list[str] = field(default_factory=list)  # producer side: the name of each item
     remote_name: str = ""  # READ path: the producer's exposed ring for this pair
     told: set[str] = field(default_factory=set)  # READ: exposed sources this consumer knows
+    outbox: list[Any] = field(default_factory=list)  # READ: announcements not yet sent
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
@@ -500,6 +501,7 @@ class WeightProducer(_Engine):
         for g, cid, i in self._schedule:
             self._release(barrier, opened)
             if g not in opened:
+                self._announce_all()  # a new group: what the last one queued goes out now
                 opened[g] = self.source.open_group(self._group_names[g])
             pair = self._pairs[cid]
             chunk = pair.chunks[i]
@@ -551,7 +553,7 @@ class WeightProducer(_Engine):
         exposed = self._exposed_source(pair, chunk, tensors)
         if exposed is not None:
             name, offset, desc = exposed
-            message = ready_message(self._syncs, chunk.seq, offset, chunk.nbytes, name, desc)
+            pair.outbox.append((self._syncs, chunk.seq, offset, chunk.nbytes, name, desc))
         else:
             k = pair.ring.slots
             while pair.pending and pair.pending[0][0] <= chunk.seq - k:
@@ -560,11 +562,17 @@ class WeightProducer(_Engine):
             slot = pair.ring.buffer[start : start + chunk.nbytes]
             self._pack(slot, pair, chunk, tensors)
             device_synchronize(slot.device)
-            message = ready_message(self._syncs, chunk.seq, start, chunk.nbytes)
-        self.communicator.notify(pair.peer_rank, message)  # type: ignore[attr-defined]
+            pair.outbox.append((self._syncs, chunk.seq, start, chunk.nbytes, None, None))
+            self._announce(pair)  # packed: the consumer may start reading while we pack on
         pair.pending.append((chunk.seq, chunk.group))
         while pair.pending and self._take_done(cid, pair, barrier, block=False):
             pass
+
+    def _announce(self, pair: _Pair) -> None:
+        """Send the pair's queued announcements (in-place chunks wait for the next flush)."""
+        if pair.outbox:
+            self.communicator.notify(pair.peer_rank, ready_message(pair.outbox))  # type: ignore[attr-defined]
+            pair.outbox = []
 
     def _exposed_source(
         self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
@@ -601,25 +609,30 @@ class WeightProducer(_Engine):
         return name, offset, desc
 
     def _take_done(self, cid: int, pair: _Pair, barrier: FreeBarrier, *, block: bool) -> bool:
-        """Consume one 'done' from consumer ``cid`` (waiting for it when ``block``)."""
+        """Consume one 'done up to seq' from consumer ``cid`` (waiting for it when ``block``)."""
         what = f"producer {self.producer_id} waiting for consumer {cid} to read"
         if block:
+            self._announce(pair)  # never wait on a consumer that has not been told
             msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
         else:
             found = poll_message(self.communicator, pair.peer_rank)
             if found is None:
                 return False
             msg = found
-        got = parse_done(msg, what)
-        seq, group = pair.pending.popleft()
-        if got != (self._syncs, seq):
-            raise RuntimeError(
-                f"{what}: got 'done' for {got}, expected (sync, seq) {self._syncs, seq}"
-            )
-        barrier.arrive(group)
+        sync, seq = parse_done(msg, what)
+        if sync != self._syncs or not pair.pending or seq < pair.pending[0][0]:
+            raise RuntimeError(f"{what}: unexpected 'done' for (sync, seq) {(sync, seq)}")
+        while pair.pending and pair.pending[0][0] <= seq:
+            barrier.arrive(pair.pending.popleft()[1])
         return True
 
+    def _announce_all(self) -> None:
+        for pair in self._pairs.values():
+            if pair.outbox:
+                self._announce(pair)
+
     def _drain(self, barrier: FreeBarrier) -> None:
+        self._announce_all()
         timeout = self.config.stall_timeout
         for cid, pair in self._pairs.items():
             if self._read:
@@ -679,6 +692,7 @@ class _PackPlan:
 
 
 _MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
+_READS_IN_FLIGHT = 16  # reads a consumer keeps posted at once on the READ path
 
 
 def _wire(req: Request) -> tuple[int, ...]:
@@ -985,36 +999,85 @@ class WeightConsumer(_Engine):
                 self._unpack(slots[i], chunk)
 
     def _receive_read(self) -> None:
-        """Pull every chunk as its producer announces it; unpack one while reading the next."""
-        timeout = self.config.stall_timeout
+        """Pull chunks as producers announce them, up to ``_READS_IN_FLIGHT`` at once; complete
+        them in plan order (unpack, then 'done up to seq' per producer, sent in batches)."""
         comm = self.communicator
-        pending: tuple[torch.Tensor, Chunk] | None = None  # read, not yet unpacked
-        for i, chunk in enumerate(self.chunks):
+        inbox: dict[int, deque[Any]] = {p: deque() for p in self._pairs}
+        flight: deque[tuple[int, Any]] = deque()  # (chunk index, read handle)
+        staged: set[tuple[int, int]] = set()  # (producer, staging slot) holding unread bytes
+        finished: dict[int, int] = {}  # producer -> last seq read, not yet reported
+        nxt, n = 0, len(self.chunks)
+        while nxt < n or flight:
+            while nxt < n and len(flight) < _READS_IN_FLIGHT:
+                chunk = self.chunks[nxt]
+                slot = (chunk.producer, chunk.seq % self.layout.ring_slots)
+                if self._direct[nxt] is None and slot in staged:
+                    break  # that staging slot's bytes are not unpacked yet
+                if not self._announced(chunk, inbox, block=not flight):
+                    break
+                flight.append((nxt, self._pull(chunk, nxt, inbox[chunk.producer].popleft())))
+                if self._direct[nxt] is None:
+                    staged.add(slot)
+                nxt += 1
+            if flight:
+                self._complete(flight, staged, finished)
+        self._report(finished)
+        device_synchronize(comm.device)
+
+    def _announced(self, chunk: Chunk, inbox: dict[int, deque[Any]], *, block: bool) -> bool:
+        """Whether ``chunk``'s announcement is in the inbox, fetching messages (waiting for
+        one when ``block``)."""
+        queue = inbox[chunk.producer]
+        while not queue:
             pair = self._pairs[chunk.producer]
             what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
-            msg = wait_message(comm, pair.peer_rank, timeout, what)
-            sync, seq, offset, nbytes, source, desc = parse_ready(msg, what)
-            if desc is not None:
-                comm.import_exposed(desc)  # type: ignore[attr-defined]
-            if (sync, seq, nbytes) != (self._syncs, chunk.seq, chunk.nbytes):
-                raise RuntimeError(
-                    f"{what}: producer announced (sync, seq, nbytes) {(sync, seq, nbytes)}, "
-                    f"expected {(self._syncs, chunk.seq, chunk.nbytes)}"
+            if block:
+                msg: bytes | None = wait_message(
+                    self.communicator, pair.peer_rank, self.config.stall_timeout, what
                 )
-            target = self._target(i)
-            if pending is not None and pending[0].data_ptr() == target.data_ptr():
-                self._unpack(*pending)  # same staging slot (K = 1): unpack before reusing it
-                pending = None
-            remote = pair.remote_name if source is None else source
-            handle = comm.read_async(pair.peer_rank, remote, target, offset)  # type: ignore[attr-defined]
-            if pending is not None:
-                self._unpack(*pending)
-            wait_read(handle, timeout, what)
-            comm.notify(pair.peer_rank, done_message(sync, seq))  # type: ignore[attr-defined]
-            pending = None if self._direct[i] is not None else (target, chunk)
-        if pending is not None:
-            self._unpack(*pending)
-        device_synchronize(comm.device)
+            else:
+                msg = poll_message(self.communicator, pair.peer_rank)
+                if msg is None:
+                    return False
+            assert msg is not None
+            queue.extend(parse_ready(msg, what))
+        return True
+
+    def _pull(self, chunk: Chunk, j: int, announcement: Any) -> Any:
+        sync, seq, offset, nbytes, source, desc = announcement
+        if (sync, seq, nbytes) != (self._syncs, chunk.seq, chunk.nbytes):
+            raise RuntimeError(
+                f"consumer {self.consumer_id} <- producer {chunk.producer}: announced "
+                f"(sync, seq, nbytes) {(sync, seq, nbytes)}, expected "
+                f"{(self._syncs, chunk.seq, chunk.nbytes)}"
+            )
+        comm: Any = self.communicator
+        if desc is not None:
+            comm.import_exposed(desc)
+        pair = self._pairs[chunk.producer]
+        remote = pair.remote_name if source is None else source
+        return comm.read_async(pair.peer_rank, remote, self._target(j), offset)
+
+    def _complete(
+        self, flight: deque[tuple[int, Any]], staged: set[tuple[int, int]], finished: dict[int, int]
+    ) -> None:
+        """Finish the oldest read: unpack it, free its staging slot, report when idle."""
+        j, handle = flight.popleft()
+        chunk = self.chunks[j]
+        what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
+        wait_read(handle, self.config.stall_timeout, what)
+        finished[chunk.producer] = chunk.seq
+        if self._direct[j] is None:
+            self._unpack(self._target(j), chunk)
+            staged.discard((chunk.producer, chunk.seq % self.layout.ring_slots))
+        if not flight or not flight[0][1].done():
+            self._report(finished)  # nothing else is ready: let producers reuse their slots
+
+    def _report(self, finished: dict[int, int]) -> None:
+        for p, seq in finished.items():
+            message = done_message(self._syncs, seq)
+            self.communicator.notify(self._pairs[p].peer_rank, message)  # type: ignore[attr-defined]
+        finished.clear()
 
     def _target(self, j: int) -> torch.Tensor:
         """Where chunk ``j``'s bytes land: its destination (direct) or its staging slot."""

@@ -32,6 +32,10 @@ class ReadHandle(Protocol):
         """Block until the read completed; False or a ``TimeoutError`` after ``timeout`` s."""
         ...
 
+    def done(self) -> bool:
+        """True once the read completed (raises if it failed); never blocks."""
+        ...
+
 
 @runtime_checkable
 class OneSidedCommunicator(Protocol):
@@ -68,10 +72,12 @@ class OneSidedCommunicator(Protocol):
     def wait_notification(self, peer: int, timeout: float | None = None) -> bytes: ...
 
 
-_READY = struct.Struct("<cqqqq")  # kind, sync, seq, offset, nbytes (+ a tail, see below)
-_DONE = struct.Struct("<cqq")  # b"D", sync, seq
-# ready kinds: b"R" the bytes are in the pair's ring; b"S" in the exposed source buffer named by
-# the tail (utf-8); b"X" likewise, exposed just now: the tail pickles (name, descriptor)
+_DONE = struct.Struct("<cqq")  # b"D", sync, seq: every chunk of the pair up to seq is read
+
+Announcement = tuple[int, int, int, int, "str | None", Any]
+"""(sync, seq, offset, nbytes, source, descriptor): chunk ``seq`` is ready at byte ``offset`` of
+the pair's ring (``source`` None) or of the exposed buffer ``source``, whose descriptor travels
+along the first time (else None)."""
 
 
 def ring_name(producer_id: int, consumer_id: int) -> str:
@@ -79,39 +85,24 @@ def ring_name(producer_id: int, consumer_id: int) -> str:
     return f"wt-ring-p{producer_id}-c{consumer_id}"
 
 
-def ready_message(
-    sync: int, seq: int, offset: int, nbytes: int, source: str | None = None, desc: Any = None
-) -> bytes:
-    """'Chunk ``seq`` is ready at ``offset``': in the ring, or in exposed buffer ``source``
-    (whose descriptor ``desc`` travels along the first time)."""
-    if source is None:
-        return _READY.pack(b"R", sync, seq, offset, nbytes)
-    if desc is None:
-        return _READY.pack(b"S", sync, seq, offset, nbytes) + source.encode()
-    return _READY.pack(b"X", sync, seq, offset, nbytes) + pickle.dumps((source, desc))
+def ready_message(announcements: Sequence[Announcement]) -> bytes:
+    """One message announcing several ready chunks of one pair, in seq order."""
+    return b"R" + pickle.dumps(list(announcements))
 
 
 def done_message(sync: int, seq: int) -> bytes:
     return _DONE.pack(b"D", sync, seq)
 
 
-def parse_ready(msg: bytes, what: str) -> tuple[int, int, int, int, str | None, Any]:
-    """(sync, seq, offset, nbytes, source buffer or None for the ring, descriptor or None).
+def parse_ready(msg: bytes, what: str) -> list[Announcement]:
+    """The announcements of a ready message; ``RuntimeError`` for anything else.
 
-    The descriptor is unpickled: it comes from a producer, which consumers trust (it is the
-    producer that refuses what a consumer asks for, never the other way round).
+    Unpickled: ready messages come from producers, which consumers trust (it is the producer
+    that refuses what a consumer asks for, never the other way round).
     """
-    kind = msg[:1]
-    if len(msg) < _READY.size or kind not in (b"R", b"S", b"X"):
+    if msg[:1] != b"R":
         raise RuntimeError(f"{what}: expected a 'ready' message, got {msg[:32]!r}")
-    _, sync, seq, offset, nbytes = _READY.unpack(msg[: _READY.size])
-    tail = msg[_READY.size :]
-    if kind == b"R":
-        return sync, seq, offset, nbytes, None, None
-    if kind == b"S":
-        return sync, seq, offset, nbytes, tail.decode(), None
-    source, desc = pickle.loads(tail)
-    return sync, seq, offset, nbytes, source, desc
+    return list(pickle.loads(msg[1:]))
 
 
 def parse_done(msg: bytes, what: str) -> tuple[int, int]:
