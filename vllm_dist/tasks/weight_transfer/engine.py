@@ -503,6 +503,8 @@ class WeightProducer(_Engine):
             if g not in opened:
                 self._announce_all()  # a new group: what the last one queued goes out now
                 opened[g] = self.source.open_group(self._group_names[g])
+                if self._read:  # consumers may read sources in place: their bytes must exist
+                    device_synchronize(self.communicator.device)
             pair = self._pairs[cid]
             chunk = pair.chunks[i]
             serve(cid, pair, chunk, opened[g], barrier)
