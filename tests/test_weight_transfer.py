@@ -8,6 +8,7 @@ from the full model, over several syncs with changing weights.
 
 from __future__ import annotations
 
+import pickle
 import socket
 import threading
 import time
@@ -25,6 +26,7 @@ from vllm_dist.tasks.weight_transfer import (
     FreeBarrier,
     JoinSpec,
     LayoutConfig,
+    ProducerFacts,
     RdtRouter,
     Request,
     ServeRing,
@@ -32,16 +34,21 @@ from vllm_dist.tasks.weight_transfer import (
     TransferStallError,
     UnsafeOpError,
     WeightConsumer,
+    WeightMeta,
     assign_producer_indices,
     bake,
     buffer_alloc_bytes,
     build_chunks,
+    build_index,
     check_ray_rdt_version,
     layerwise_groups,
     pair_digest,
     replay,
 )
 from vllm_dist.tasks.weight_transfer.demo import LlamaTransferTask, summarize
+from vllm_dist.tasks.weight_transfer.engine import _ShapeCache
+from vllm_dist.tasks.weight_transfer.ops import loader_key
+from vllm_dist.tasks.weight_transfer.plan import decode_requests, encode_requests, plan_digest
 from vllm_dist.tasks.weight_transfer.tp import (
     column_parallel,
     expected_params,
@@ -53,6 +60,7 @@ from vllm_dist.tasks.weight_transfer.tp import (
     tiny_llama_config,
     transposed_row_parallel,
 )
+from vllm_dist.tasks.weight_transfer.views import ViewCache
 
 MiB = 1 << 20
 
@@ -258,6 +266,80 @@ def test_plan_layout_is_aligned_and_split() -> None:
     assert pair_digest(0, 1, [reqs[3]], mine, router, layout) == d_consumer
     other = LayoutConfig(align=512, max_chunk_bytes=512)
     assert pair_digest(0, 1, reqs, chunks, router, other) != d_consumer
+
+
+def test_bake_once_per_loader_kind_and_shapes() -> None:
+    """100,000 experts loaded by closures of one code object bake a handful of times."""
+
+    def make(tp_rank: int) -> Any:
+        def load(dest: Any, src: Any) -> None:
+            dest.copy_(src.narrow(0, tp_rank * 2, 2))
+
+        return load
+
+    assert loader_key(make(0)) == loader_key(make(0)) != loader_key(make(1))
+    seen: list[Any] = []
+    assert loader_key(lambda d, s: seen.append(s)) is None  # closes over an object: per name
+    names = [f"layers.{i // 4}.experts.{i % 4}.w" for i in range(400)]
+    params = {n: torch.zeros(2, 3) for n in names}
+    engine = WeightConsumer.__new__(WeightConsumer)
+    engine.params, engine.route = params, lambda n: [(n, make(1))]
+    engine._shapes = _ShapeCache()
+    calls = []
+    bake_one = engine._bake_one
+    engine._bake_one = lambda *a: calls.append(1) or bake_one(*a)  # type: ignore[method-assign]
+    index = build_index(
+        [
+            ProducerFacts(
+                metadata=tuple(
+                    WeightMeta(name=n, dtype="torch.float32", shape=(4, 3)) for n in names
+                ),
+                held=None,
+            )
+        ],
+        1,
+        0,
+    )
+    requests, dests = engine._bake(index)
+    assert len(calls) == 1 and len(requests) == 400
+    assert len({id(r.chain) for r in requests}) == 1  # shared: ViewCache keys on it
+    assert requests[7].name == names[7] and dests[7][0] == names[7]
+
+
+def test_plan_encoding_and_digest_agree_with_the_requests() -> None:
+    names = ["layers.0.a", "layers.0.b", "layers.1.a", "layers.1.b"]
+    router = RdtRouter(2, 1, names=names, group_lens=[2, 2])
+    chain = (("narrow", (0, 0, 50)),)
+    reqs = [Request(n, chain, (50,), "torch.bfloat16", (50,)) for n in names]
+    layout = LayoutConfig(align=256, max_chunk_bytes=512)
+    chunks = build_chunks(0, reqs, router, layout)
+    mine = [reqs[i] for c in chunks if c.producer == 1 for i in c.items]
+    kinds, got_names, ids = decode_requests(pickle.loads(pickle.dumps(encode_requests(mine))))
+    assert len(kinds) == 1 and got_names == [r.name for r in mine] and ids.tolist() == [0, 0]
+    digest = plan_digest(0, 1, chunks, (kinds, got_names, ids.tobytes()), router, layout)
+    assert digest == pair_digest(0, 1, reqs, chunks, router, layout)
+    with pytest.raises(ValueError, match="malformed"):
+        decode_requests((kinds, got_names, b"\x05\x00\x00\x00" * 2))
+    with pytest.raises(ValueError, match="malformed"):
+        decode_requests("nonsense")
+
+
+def test_view_cache_replays_by_geometry() -> None:
+    views = ViewCache()
+    w = torch.arange(48.0).reshape(6, 8)
+    for chain in [
+        (("narrow", (1, 2, 4)),),
+        (("chunk", (2, 0)), ("__getitem__", (1,)), ("t", ())),
+        (("__getitem__", (slice(1, 5),)), ("reshape", (32,))),
+    ]:
+        for t in (w, w[1:]):  # another base offset, same geometry key shape differs
+            got = views(t, chain)
+            assert (
+                torch.equal(got, replay(t, chain)) and got.data_ptr() == replay(t, chain).data_ptr()
+            )
+    copying = (("t", ()), ("reshape", (48,)))  # a copy has no geometry: replayed as is
+    assert views.geometry((6, 8), (8, 1), torch.float32, copying) is None
+    assert torch.equal(views(w, copying), replay(w, copying))
 
 
 def test_buffer_alloc_bytes() -> None:
