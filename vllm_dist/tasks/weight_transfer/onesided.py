@@ -1,16 +1,23 @@
 """The one-sided READ path: the API it needs from a communicator, and its two messages.
 
 A producer exposes every serve ring once at set-up; everyone exchanges the descriptors. Each
-sync, the producer packs chunk ``seq`` into slot ``seq % K`` of that consumer's ring and
-notifies it ``ready(sync, seq, offset, nbytes)``; the consumer READs the bytes (straight into
-its parameter where the destination is contiguous, else into a staging slot it unpacks) and
-notifies ``done(sync, seq)``, after which the producer may repack the slot and, once every
-chunk of a gather group is done, release the group. Every wait is bounded by the stall timeout.
+sync, the producer announces every chunk to its consumer as ``(sync, seq, offset, nbytes,
+source, descriptor)``: a one-item chunk whose source view is contiguous and whose storage was
+there last sync is read *in place* (its storage is exposed once, the descriptor rides along with
+the first announcement to each consumer, and nothing is packed); any other chunk is packed into
+ring slot ``seq % K`` once the slot's last reader is done. Announcements of in-place chunks are
+batched until the next pack, group or wait, so a layer costs one message, not one per weight.
 
-The producer's code does not take part in a READ, so the only work a sync costs it is the pack
-and two small messages per chunk. Rejected alternative: producers WRITE into consumer buffers
-(push): it needs the consumer's buffer exposed per chunk and makes the producer's thread do
-the transfer that the consumer's side can issue and overlap with its own unpacking.
+The consumer keeps up to ``_READS_IN_FLIGHT`` reads posted (straight into its parameter where
+the destination is contiguous, else into a staging slot it unpacks), completes them in plan
+order and reports ``done(sync, seq)`` — every chunk of that pair up to ``seq`` — whenever it
+runs out of finished reads; the producer then reuses slots and, once every chunk of a gather
+group is done, releases the group. Every wait is bounded by the stall timeout, so a dead peer
+ends the sync on the other side with ``TransferStallError``.
+
+Rejected alternative: producers WRITE into consumer buffers (push). The producer's thread would
+move every byte for every consumer, where here it only packs what is not contiguous and each
+consumer moves its own bytes, overlapped with its unpacking.
 """
 
 from __future__ import annotations
