@@ -212,7 +212,10 @@ def run_case(
 ) -> dict[str, Any]:
     n = 1 + args.consumers
     config = TransferConfig(
-        workers_per_replica=2, max_chunk_bytes=args.chunk_mib << 20, ring_slots=args.slots
+        workers_per_replica=2,
+        max_chunk_bytes=args.chunk_mib << 20,
+        ring_slots=args.slots,
+        direct_bytes=args.direct_kib << 10,
     )
     # one intra-op thread per worker, as torchrun sets: workers share the cores
     env = {"OMP_NUM_THREADS": str(args.threads)}
@@ -271,6 +274,9 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--slots", type=int, default=2, help="serve-ring slots K")
     ap.add_argument("--chunk-mib", type=int, default=64)
+    ap.add_argument(
+        "--direct-kib", type=int, default=1024, help="items this large travel alone (in place)"
+    )
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each worker")
     ap.add_argument(

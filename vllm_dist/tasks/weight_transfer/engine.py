@@ -352,12 +352,17 @@ class WeightProducer(_Engine):
     def _accept(
         self, cid: int, crank: int, index: ModelIndex, plan_msg: Any, reserve_msg: Any
     ) -> None:
-        verb, sender, payload = plan_msg
+        verb, sender, payload, path = plan_msg
         if verb != "plan" or sender != cid:
             raise RuntimeError(f"expected a plan from consumer {cid}, got {verb!r} from {sender}")
         if isinstance(payload, str):  # the consumer failed its own set-up
             self._pairs[cid] = _Pair(peer_rank=crank, chunks=[], requests=[], slot_bytes=0)
             return
+        if path != self.path:  # refused here, before the READ path's collective set-up step
+            raise PlanMismatchError(
+                f"consumer {cid} uses the {path!r} path but producer {self.producer_id} the "
+                f"{self.path!r} path; give both sides the same TransferConfig.transport"
+            )
         try:
             kinds, names, ids = decode_requests(payload)
         except ValueError as exc:
@@ -932,7 +937,7 @@ class WeightConsumer(_Engine):
                 digests[p] = plan_digest(
                     self.consumer_id, p, self.chunks, payload, router, self.layout
                 )
-            self.coordinator.send_object(("plan", self.consumer_id, payload), prank)
+            self.coordinator.send_object(("plan", self.consumer_id, payload, self.path), prank)
             reserve[p] = slot_bytes(self.chunks, p, self.layout.align) * self.layout.ring_slots
         router.reserve_serve_buffers(reserve, digests)
 
