@@ -1032,6 +1032,8 @@ def prepare_ray_rdt_actor(device: torch.device | str | None = None) -> None:
     os.environ.setdefault(CUDA_IPC_GET_ZCOPY, "y")
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda":
+        if dev.index is None:  # "cuda": the first device Ray made visible to this actor
+            dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
         torch.zeros(1, device=dev)  # the context exists from here on
     if late and (dev.type == "cuda" if dev is not None else torch.cuda.is_available()):
