@@ -258,6 +258,7 @@ def run_case(
         "ratio": raw_s / sync_s,
         "setup_s": max(r["setup_seconds"] for r in results),
         "bake_s": max(r.get("bake_seconds", 0.0) for r in results),
+        "setup_phases": {f"{r['role']} {r['index']}": r.get("setup_phases") for r in results},
         "verified": all(o is not False for r in consumers for o in r["outputs"]),
     }
 

@@ -244,12 +244,22 @@ class _Engine:
         self._views = ViewCache()
         self._read = _uses_read(communicator, config.transport)
         self._syncs = 0
+        self.setup_phases: dict[str, float] = {}  # seconds per set-up step, for benchmarks
+        self._phase_start = time.perf_counter()
         self._exposed: list[str] = []
 
     @property
     def path(self) -> str:
         """``"read"`` (one-sided) or ``"send_recv"``: the data path this engine uses."""
         return "read" if self._read else "send_recv"
+
+    def _phase(self, name: str) -> float:
+        """Record the seconds since the previous phase ended under ``name``; returns them."""
+        now = time.perf_counter()
+        spent = now - self._phase_start
+        self.setup_phases[name] = self.setup_phases.get(name, 0.0) + spent
+        self._phase_start = now
+        return spent
 
     def _expose(self, tensor: torch.Tensor, name: str) -> None:
         self.communicator.expose(tensor, name)  # type: ignore[attr-defined]
@@ -322,24 +332,29 @@ class WeightProducer(_Engine):
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
         """Join the fleet's set-up; raises on any rank's refusal (see module docstring)."""
-        start = time.perf_counter()
+        start = self._phase_start = time.perf_counter()
         held = self.source.held_names()
         index = self._index(ProducerFacts(metadata=tuple(self.source.metadata()), held=held))
+        self._phase("index")
         errors: list[Exception] = []
         for cid, crank in enumerate(self.fleet.consumer_ranks):
             plan_msg = self.coordinator.recv_object(crank)
             reserve_msg = self.coordinator.recv_object(crank)
+            self._phase("wait for plans")
             try:
                 self._accept(cid, crank, index, plan_msg, reserve_msg)
             except Exception as exc:  # every consumer is checked, then reported to the fleet
                 errors.append(exc)
+            self._phase("check plans")
         error: Exception | None = errors[0] if errors else None
         if len(errors) > 1:
             error = type(errors[0])("; ".join(str(e) for e in errors))
         _gather_verdicts(self.coordinator, error)
         self._build_schedule()
+        self._phase("verdicts, schedule")
         if self._read:
             self._expose_rings()
+            self._phase("expose")
         self.setup_seconds = time.perf_counter() - start
 
     def _expose_rings(self) -> None:
@@ -812,23 +827,28 @@ class WeightConsumer(_Engine):
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
         """Bake, plan and reserve; raises on any rank's refusal (see module docstring)."""
-        start = time.perf_counter()
+        start = self._phase_start = time.perf_counter()
         index = self._index(None)
+        self._phase("index")
         error: BaseException | None = None
         try:
-            t0 = time.perf_counter()
             self.requests, dests = self._bake(index)
-            self.bake_seconds = time.perf_counter() - t0
+            self.bake_seconds = self._phase("bake")
             self._dests = [self._dest_view(name, chain) for name, chain in dests]
             self._dest_params = [name for name, _ in dests]
+            self._phase("destination views")
             self.chunks = self._plan(index)
+            self._phase("plan")
         except Exception as exc:  # reported to the fleet below
             error = exc
         self._send_plans(index, error)
+        self._phase("send plans")
         _gather_verdicts(self.coordinator, error)
+        self._phase("verdicts")
         self._make_rings()
         if self._read:
             self._connect_read()
+        self._phase("rings")
         self.setup_seconds = time.perf_counter() - start
 
     def _plan(self, index: ModelIndex) -> list[Chunk]:
@@ -910,6 +930,8 @@ class WeightConsumer(_Engine):
 
     def _dest_view(self, param_name: str, chain: Any) -> torch.Tensor:
         param = self.params[param_name].data
+        if not chain:
+            return param
         if self._views.geometry(tuple(param.shape), param.stride(), param.dtype, chain) is None:
             raise UnsafeOpError(
                 f"the loader's destination view of {param_name!r} ({chain!r}) is a copy, so "

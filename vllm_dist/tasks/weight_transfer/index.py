@@ -90,12 +90,18 @@ def build_index(
     for p, f in enumerate(facts):
         for m in f.metadata:
             seen = meta.setdefault(m.name, m)
-            if seen != m:
+            if seen is not m and seen != m:
                 raise ValueError(
                     f"producers disagree on weight {m.name!r}: {seen} vs producer {p}'s {m}; "
                     "every producer must describe the same model"
                 )
-    holders = {n: [p for p, f in enumerate(facts) if f.held is None or n in f.held] for n in meta}
+    if all(f.held is None for f in facts):  # every producer holds everything: one shared list
+        everyone = list(range(len(facts)))
+        holders = dict.fromkeys(meta, everyone)
+    else:
+        holders = {
+            n: [p for p, f in enumerate(facts) if f.held is None or n in f.held] for n in meta
+        }
     groups = layerwise_groups(n for n in meta if holders[n])
     names = [n for g in groups for n in g]
     classes: dict[tuple[int, ...], int] = {}

@@ -104,8 +104,13 @@ class StateDictSource(WeightSource):
     def metadata(self) -> list[WeightMeta]:
         if self._meta is not None:
             return list(self._meta)
+        names: dict[torch.dtype, str] = {}  # str(dtype) once per dtype, not per weight
         return [
-            WeightMeta(name=n, dtype=str(t.dtype), shape=tuple(t.shape))
+            WeightMeta(
+                name=n,
+                dtype=names.get(t.dtype) or names.setdefault(t.dtype, str(t.dtype)),
+                shape=tuple(t.shape),
+            )
             for n, t in self._read().items()
         ]
 

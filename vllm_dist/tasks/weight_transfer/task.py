@@ -142,7 +142,9 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
                 outputs.append(self.after_producer_sync(step, source, **kw))
         finally:
             engine.close()
-        return self._result("producer", pid, engine.setup_seconds, stats, outputs)
+        result = self._result("producer", pid, engine.setup_seconds, stats, outputs)
+        result["setup_phases"] = engine.setup_phases
+        return result
 
     def _run_consumer(
         self, fleet: Fleet, config: TransferConfig, syncs: int, kw: dict[str, Any]
@@ -168,6 +170,7 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
             engine.close()
         result = self._result("consumer", cid, engine.setup_seconds, stats, outputs)
         result["bake_seconds"] = engine.bake_seconds
+        result["setup_phases"] = engine.setup_phases
         return result
 
     @staticmethod
