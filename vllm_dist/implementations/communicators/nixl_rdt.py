@@ -265,7 +265,7 @@ class NixlTransfer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until done, at most ``timeout`` s (default: the communicator's timeout)."""
         deadline = time.monotonic() + self._comm._timeout(timeout)
-        poll = _Backoff()
+        poll = _Backoff(self._comm._spin_s)
         while not self.done():
             if time.monotonic() > deadline:
                 self._fail(
@@ -306,7 +306,7 @@ class _CopyTransfer(NixlTransfer):
     def wait(self, timeout: float | None = None) -> None:
         seconds = self._comm._timeout(timeout)
         deadline = time.monotonic() + seconds
-        poll = _Backoff()
+        poll = _Backoff(self._comm._spin_s)
         while not self.done():
             if time.monotonic() > deadline:
                 raise NixlTimeoutError(f"{self._what} did not complete within {seconds} s")
@@ -319,16 +319,18 @@ class _Backoff:
     A sleep that overshoots a transfer's end is pure loss on the bandwidth a caller sees (a 1 GiB
     VRAM copy takes about 0.5 ms), so pauses stay at 20 µs for the first 100 ms of a wait and
     reach 1 ms only for waits long enough that a dead peer is the likely reason.
+
+    On DRAM the waiter does not spin at all: NIXL's progress threads already busy-poll, and on a
+    machine with few cores a spinning waiter takes the CPU they need to move the bytes.
     """
 
-    SPIN_S = 0.002
-
-    def __init__(self) -> None:
+    def __init__(self, spin_s: float) -> None:
         self._start = time.monotonic()
+        self._spin_s = spin_s
 
     def sleep(self) -> None:
         waited = time.monotonic() - self._start
-        if waited < self.SPIN_S:
+        if waited < self._spin_s:
             return
         time.sleep(20e-6 if waited < 0.1 else 1e-3)
 
@@ -389,6 +391,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._last_backend = ""
         self._ipc_maps: dict[tuple[int, str, int], torch.Tensor | None] = {}
         self._use_ipc = self._device.type == "cuda" and self._opts.cuda_ipc
+        self._spin_s = 0.002 if self._device.type == "cuda" else 0.0  # see _Backoff
         self._connect()
 
     # -- set-up ------------------------------------------------------------------------------
@@ -651,7 +654,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         """The next message ``peer`` sent with ``notify`` or a ``write(..., notify=...)``."""
         self._check_peer(peer)
         deadline = time.monotonic() + self._timeout(timeout)
-        poll = _Backoff()
+        poll = _Backoff(self._spin_s)
         while not self._user_msgs[peer]:
             self._poll_notifs()
             if self._user_msgs[peer]:
@@ -970,7 +973,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         what: str,
         error_kind: bytes | None = None,
     ) -> Any:
-        poll = _Backoff()
+        poll = _Backoff(self._spin_s)
         while True:
             self._poll_notifs()
             if (peer, kind, seq) in self._inbox:
