@@ -94,12 +94,14 @@ class OneSidedTask(GlobalCoordinatorDistributedTask):
             buf = pattern(nbytes, 11, dev)
             desc = comm.expose(buf, "weights")  # type: ignore[attr-defined]
             assert desc.nbytes == nbytes and desc.rank == 1
+            bias = pattern(3 << 20, 12, dev)
+            comm.expose(bias, "bias")  # type: ignore[attr-defined]
         else:
             comm.expose(torch.zeros(16, dtype=torch.uint8, device=dev), "unused")  # type: ignore[attr-defined]
         table = comm.exchange_exposed()  # type: ignore[attr-defined]
         ref = pattern(nbytes, 11)
         if rank == 0:
-            assert set(table[1]) == {"weights"}
+            assert set(table[1]) == {"weights", "bias"}
             # one descriptor, with an offset
             out = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
             comm.read(1, "weights", out, remote_offset=12345)  # type: ignore[attr-defined]
@@ -120,6 +122,28 @@ class OneSidedTask(GlobalCoordinatorDistributedTask):
             ha.wait(timeout=10)
             hb.wait(timeout=10)
             assert torch.equal(a.cpu(), ref[:4096]) and torch.equal(b.cpu(), ref[-4096:])
+            # one request gathering from two exposed buffers: large and small pieces, offsets
+            bias_ref = pattern(3 << 20, 12)
+            parts = [("weights", 7, 2 << 20), ("bias", 0, 3 << 20), ("weights", 5 << 20, 1)]
+            parts += [("bias", 97 * i, 333) for i in range(40)]
+            outs = [torch.empty(n, dtype=torch.uint8, device=dev) for _, _, n in parts]
+            batch = [(name, off, o) for (name, off, _), o in zip(parts, outs, strict=True)]
+            comm.read_batch_async(1, batch).wait(timeout=30)  # type: ignore[attr-defined]
+            for (name, off, n), o in zip(parts, outs, strict=True):
+                want = (ref if name == "weights" else bias_ref)[off : off + n]
+                assert torch.equal(o.cpu(), want), (name, off, n)
+            with pytest.raises(ValueError, match="no buffer named"):
+                comm.read_batch_async(1, [("weights", 0, outs[0]), ("nope", 0, outs[1])])  # type: ignore[attr-defined]
+            # one request scattering into the second buffer: a small and a large piece
+            u8: dict[str, Any] = {"dtype": torch.uint8, "device": dev}
+            comm.write_batch_async(  # type: ignore[attr-defined]
+                1,
+                [
+                    ("bias", 10, torch.full((5,), 3, **u8)),
+                    ("bias", (2 << 20) + 1, torch.full(((1 << 20) - 1,), 4, **u8)),
+                ],
+                notify=b"scattered",
+            ).wait(30)
             # writes: single and many descriptors, then a notification after the data
             comm.write(1, "weights", torch.full((100,), 7, dtype=torch.uint8, device=dev), 1000)  # type: ignore[attr-defined]
             src = torch.full((64 * 10,), 9, dtype=torch.uint8, device=dev)
@@ -130,6 +154,11 @@ class OneSidedTask(GlobalCoordinatorDistributedTask):
             with pytest.raises(ValueError, match="no buffer named"):
                 comm.read(1, "nope", out)  # type: ignore[attr-defined]
         else:
+            assert comm.wait_notification(0, timeout=30) == b"scattered"  # type: ignore[attr-defined]
+            want_bias = pattern(3 << 20, 12)
+            want_bias[10:15] = 3
+            want_bias[(2 << 20) + 1 :] = 4
+            assert torch.equal(bias.cpu(), want_bias)
             assert comm.wait_notification(0, timeout=30) == b"written"  # type: ignore[attr-defined]
             expect = ref.clone()
             expect[1000:1100] = 7

@@ -64,6 +64,7 @@ CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 # notification kinds (first byte); the rest is a pickled payload
 _READY, _DONE, _ERROR, _USER = b"R", b"D", b"E", b"U"
+_BATCH_COPY_BYTES = 1 << 20  # CUDA IPC pieces below this share one batched copy launch
 
 
 class NixlTransferError(RuntimeError):
@@ -468,8 +469,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         xfer = self._post(
             "WRITE",
             dst,
-            [(tensor, addr, nbytes)],
-            remote_dev=dev_id,
+            [(tensor, addr, nbytes, dev_id)],
             remote_mem=mem_type,
             notif=_DONE + pickle.dumps(seq),
             what=f"send #{seq} to rank {dst}",
@@ -621,6 +621,39 @@ class NixlRdtCommunicator(DeviceCommunicator):
     ) -> NixlTransfer:
         """Start a WRITE; ``local`` is one tensor or a list of ``(view, remote_offset, nbytes)``."""
         return self._one_sided("WRITE", peer, remote_name, local, remote_offset, notify)
+
+    def read_batch_async(
+        self, peer: int, requests: Sequence[tuple[str, int, torch.Tensor]]
+    ) -> NixlTransfer:
+        """Start one READ gathering from several of ``peer``'s exposed buffers.
+
+        Each request is ``(remote name, remote byte offset, local tensor)`` and fills the whole
+        local tensor. One NIXL request carries them all (on a CUDA IPC mapping: one copy kernel
+        per large piece and one batched launch for the small ones), so a batch of many weights
+        costs one completion to wait on, not one per weight.
+        """
+        return self._gather(
+            "READ",
+            peer,
+            [(name, off, t, t.numel() * t.element_size()) for name, off, t in requests],
+            None,
+        )
+
+    def write_batch_async(
+        self,
+        peer: int,
+        requests: Sequence[tuple[str, int, torch.Tensor]],
+        *,
+        notify: bytes | None = None,
+    ) -> NixlTransfer:
+        """Start one WRITE scattering local tensors into several of ``peer``'s exposed buffers
+        (``(remote name, remote byte offset, local tensor)`` each); see ``read_batch_async``."""
+        return self._gather(
+            "WRITE",
+            peer,
+            [(name, off, t, t.numel() * t.element_size()) for name, off, t in requests],
+            notify,
+        )
 
     def read_many(
         self,
@@ -792,21 +825,32 @@ class NixlRdtCommunicator(DeviceCommunicator):
         remote_offset: int,
         notify: bytes | None,
     ) -> NixlTransfer:
-        self._check_peer(peer)
-        remote = self._remote_exposed.get(peer, {}).get(remote_name)
-        if remote is None:
-            known = sorted(self._remote_exposed.get(peer, {}))
-            raise ValueError(
-                f"rank {peer} has exposed no buffer named {remote_name!r} that this worker knows "
-                f"(known: {known}); call exchange_exposed() or import_exposed() first"
-            )
         if isinstance(local, torch.Tensor):
             check_tensor(local, self._device, "local")
-            requests = [(local, remote_offset, local.numel() * local.element_size())]
+            requests = [(remote_name, remote_offset, local, local.numel() * local.element_size())]
         else:
-            requests = [(view, remote_offset + off, n) for view, off, n in local]
-        pieces = []
-        for i, (view, off, n) in enumerate(requests):
+            requests = [(remote_name, remote_offset + off, view, n) for view, off, n in local]
+        return self._gather(op, peer, requests, notify)
+
+    def _gather(
+        self,
+        op: str,
+        peer: int,
+        requests: Sequence[tuple[str, int, torch.Tensor, int]],
+        notify: bytes | None,
+    ) -> NixlTransfer:
+        """One request over ``(remote name, remote offset, local view, nbytes)`` pieces."""
+        self._check_peer(peer)
+        known = self._remote_exposed.get(peer, {})
+        pieces: list[tuple[torch.Tensor, int, int, ExposedBuffer]] = []
+        for i, (remote_name, off, view, n) in enumerate(requests):
+            remote = known.get(remote_name)
+            if remote is None:
+                raise ValueError(
+                    f"rank {peer} has exposed no buffer named {remote_name!r} that this worker "
+                    f"knows (known: {sorted(known)}); call exchange_exposed() or "
+                    "import_exposed() first"
+                )
             check_tensor(view, self._device, f"local[{i}]")
             have = view.numel() * view.element_size()
             if not 0 <= n <= have:
@@ -816,19 +860,21 @@ class NixlRdtCommunicator(DeviceCommunicator):
                     f"request {i}: remote range [{off}, {off + n}) is outside {remote_name!r} "
                     f"({remote.nbytes} bytes) on rank {peer}"
                 )
-            pieces.append((view, remote.addr + off, n))
-        mapped = self._ipc_mapping(peer, remote)
-        if mapped is not None:
-            return self._ipc_copy(op, peer, mapped, remote.addr, pieces, notify)
+            pieces.append((view, off, n, remote))
+        names = sorted({p[3].name for p in pieces})
+        what = f"{op} of {', '.join(map(repr, names[:3]))}{' ...' if len(names) > 3 else ''}"
+        maps = [self._ipc_mapping(peer, p[3]) for p in pieces]
+        if all(m is not None for m in maps):
+            copies = [(view, m, off, n) for (view, off, n, _), m in zip(pieces, maps, strict=True)]
+            return self._ipc_copy(op, peer, copies, notify)  # type: ignore[arg-type]
         notif = b"" if notify is None else _USER + bytes(notify)
         return self._post(
             op,
             peer,
-            pieces,
-            remote_dev=remote.device_id,
-            remote_mem=remote.mem_type,
+            [(view, r.addr + off, n, r.device_id) for view, off, n, r in pieces],
+            remote_mem=pieces[0][3].mem_type if pieces else "DRAM",
             notif=notif,
-            what=f"{op} of {remote_name!r} on rank {peer}",
+            what=f"{what} on rank {peer}",
         )
 
     def _ipc_mapping(self, peer: int, remote: ExposedBuffer) -> torch.Tensor | None:
@@ -847,20 +893,26 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self,
         op: str,
         peer: int,
-        mapped: torch.Tensor,
-        base: int,
-        pieces: Sequence[tuple[torch.Tensor, int, int]],
+        copies: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]],
         notify: bytes | None,
     ) -> _CopyTransfer:
-        for view, raddr, n in pieces:
+        """Copy kernels over ``(local view, peer mapping, offset, nbytes)``: one kernel per large
+        piece, one batched (``_foreach_copy_``) launch for all the small ones."""
+        big: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        small: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for view, mapped, off, n in copies:
             if n == 0:
                 continue
             mine = view.reshape(-1).view(torch.uint8)[:n]
-            theirs = mapped[raddr - base : raddr - base + n]
-            if op == "READ":
-                mine.copy_(theirs, non_blocking=True)
-            else:
-                theirs.copy_(mine, non_blocking=True)
+            theirs = mapped[off : off + n]
+            into, out = (mine, theirs) if op == "READ" else (theirs, mine)
+            batch = big if n >= _BATCH_COPY_BYTES else small
+            batch[0].append(into)
+            batch[1].append(out)
+        for into, out in zip(*big, strict=True):
+            into.copy_(out, non_blocking=True)
+        if small[0]:
+            torch._foreach_copy_(small[0], small[1], non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self._device))
         xfer = _CopyTransfer(self, event, f"{op} of rank {peer}'s buffer through CUDA IPC")
@@ -874,9 +926,8 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self,
         op: str,
         peer: int,
-        pieces: Sequence[tuple[torch.Tensor, int, int]],
+        pieces: Sequence[tuple[torch.Tensor, int, int, int]],
         *,
-        remote_dev: int,
         remote_mem: str,
         notif: bytes,
         what: str,
@@ -886,7 +937,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         regs = []
         local = np.empty((len(pieces), 3), dtype=np.uint64)
         remote = np.empty((len(pieces), 3), dtype=np.uint64)
-        for i, (view, raddr, n) in enumerate(pieces):
+        for i, (view, raddr, n, remote_dev) in enumerate(pieces):
             regs.append(self._register(view))
             local[i] = (view.data_ptr(), n, _device_id(view))
             remote[i] = (raddr, n, remote_dev)

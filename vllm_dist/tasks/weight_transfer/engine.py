@@ -198,6 +198,7 @@ class _Pair:
     remote_name: str = ""  # READ path: the producer's exposed ring for this pair
     told: set[str] = field(default_factory=set)  # READ: exposed sources this consumer knows
     outbox: list[Any] = field(default_factory=list)  # READ: announcements not yet sent
+    outbox_bytes: int = 0  # READ: bytes of the chunks queued since the last announcement
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
@@ -327,6 +328,7 @@ class WeightProducer(_Engine):
         self.source = source
         self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
         self._source_names: dict[tuple[int, int], tuple[str, Any]] = {}  # exposed sources
+        self._unsynced = False  # READ path: packs queued on the device since the last sync
         self._seen_sources: tuple[set[Any], set[Any]] = (set(), set())  # (last sync, this one)
 
     # -- set-up --------------------------------------------------------------------------------
@@ -521,7 +523,9 @@ class WeightProducer(_Engine):
         for g, cid, i in self._schedule:
             self._release(barrier, opened)
             if g not in opened:
-                self._announce_all()  # a new group: what the last one queued goes out now
+                if self._read:  # a new group: what the last one queued goes out now
+                    self._announce_all()
+                    self._poll_done(barrier)
                 opened[g] = self.source.open_group(self._group_names[g])
                 if self._read:  # consumers may read sources in place: their bytes must exist
                     device_synchronize(self.communicator.device)
@@ -583,18 +587,29 @@ class WeightProducer(_Engine):
             start = (chunk.seq % k) * pair.slot_bytes
             slot = pair.ring.buffer[start : start + chunk.nbytes]
             self._pack(slot, pair, chunk, tensors)
-            device_synchronize(slot.device)
+            self._unsynced = True
             pair.outbox.append((self._syncs, chunk.seq, start, chunk.nbytes, None, None))
-            self._announce(pair)  # packed: the consumer may start reading while we pack on
         pair.pending.append((chunk.seq, chunk.group))
-        while pair.pending and self._take_done(cid, pair, barrier, block=False):
-            pass
+        pair.outbox_bytes += chunk.nbytes
+        if pair.outbox_bytes >= _ANNOUNCE_BYTES:
+            self._announce(pair)  # a long group: let the consumer start on what is ready
 
     def _announce(self, pair: _Pair) -> None:
-        """Send the pair's queued announcements (in-place chunks wait for the next flush)."""
+        """Send the pair's queued announcements as one message, once every pack behind them
+        has finished (one device synchronization covers all the packs queued so far)."""
         if pair.outbox:
+            if self._unsynced:
+                device_synchronize(self.communicator.device)
+                self._unsynced = False
             self.communicator.notify(pair.peer_rank, ready_message(pair.outbox))  # type: ignore[attr-defined]
             pair.outbox = []
+        pair.outbox_bytes = 0
+
+    def _poll_done(self, barrier: FreeBarrier) -> None:
+        """Take every 'done' that has arrived (never waits): frees slots and finished groups."""
+        for cid, pair in self._pairs.items():
+            while pair.pending and self._take_done(cid, pair, barrier, block=False):
+                pass
 
     def _exposed_source(
         self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
@@ -634,7 +649,7 @@ class WeightProducer(_Engine):
         """Consume one 'done up to seq' from consumer ``cid`` (waiting for it when ``block``)."""
         what = f"producer {self.producer_id} waiting for consumer {cid} to read"
         if block:
-            self._announce(pair)  # never wait on a consumer that has not been told
+            self._announce_all()  # never wait on a consumer that has not been told everything
             msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
         else:
             found = poll_message(self.communicator, pair.peer_rank)
@@ -714,7 +729,8 @@ class _PackPlan:
 
 
 _MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
-_READS_IN_FLIGHT = 16  # reads a consumer keeps posted at once on the READ path
+_BATCHES_IN_FLIGHT = 4  # batched reads a consumer keeps posted at once on the READ path
+_ANNOUNCE_BYTES = 256 << 20  # a producer announces at least this often within a long group
 
 
 def _wire(req: Request) -> tuple[int, ...]:
@@ -1028,26 +1044,33 @@ class WeightConsumer(_Engine):
                 self._unpack(slots[i], chunk)
 
     def _receive_read(self) -> None:
-        """Pull chunks as producers announce them, up to ``_READS_IN_FLIGHT`` at once; complete
-        them in plan order (unpack, then 'done up to seq' per producer, sent in batches)."""
+        """Pull every announced chunk in one batched read per producer, up to
+        ``_BATCHES_IN_FLIGHT`` batches at once; complete batches in plan order (one unpack
+        launch, then 'done up to seq' per producer)."""
         comm = self.communicator
         inbox: dict[int, deque[Any]] = {p: deque() for p in self._pairs}
-        flight: deque[tuple[int, Any]] = deque()  # (chunk index, read handle)
+        flight: deque[tuple[list[int], list[Any]]] = deque()  # (chunk indices, read handles)
         staged: set[tuple[int, int]] = set()  # (producer, staging slot) holding unread bytes
         finished: dict[int, int] = {}  # producer -> last seq read, not yet reported
         nxt, n = 0, len(self.chunks)
+        k = self.layout.ring_slots
         while nxt < n or flight:
-            while nxt < n and len(flight) < _READS_IN_FLIGHT:
+            batch: list[int] = []
+            announcements: list[Any] = []
+            while nxt < n and len(flight) < _BATCHES_IN_FLIGHT:
                 chunk = self.chunks[nxt]
-                slot = (chunk.producer, chunk.seq % self.layout.ring_slots)
+                slot = (chunk.producer, chunk.seq % k)
                 if self._direct[nxt] is None and slot in staged:
                     break  # that staging slot's bytes are not unpacked yet
-                if not self._announced(chunk, inbox, block=not flight):
+                if not self._announced(chunk, inbox, block=not flight and not batch):
                     break
-                flight.append((nxt, self._pull(chunk, nxt, inbox[chunk.producer].popleft())))
+                announcements.append(inbox[chunk.producer].popleft())
+                batch.append(nxt)
                 if self._direct[nxt] is None:
                     staged.add(slot)
                 nxt += 1
+            if batch:
+                flight.append((batch, self._pull(batch, announcements)))
             if flight:
                 self._complete(flight, staged, finished)
         self._report(finished)
@@ -1072,34 +1095,52 @@ class WeightConsumer(_Engine):
             queue.extend(parse_ready(msg, what))
         return True
 
-    def _pull(self, chunk: Chunk, j: int, announcement: Any) -> Any:
-        sync, seq, offset, nbytes, source, desc = announcement
-        if (sync, seq, nbytes) != (self._syncs, chunk.seq, chunk.nbytes):
-            raise RuntimeError(
-                f"consumer {self.consumer_id} <- producer {chunk.producer}: announced "
-                f"(sync, seq, nbytes) {(sync, seq, nbytes)}, expected "
-                f"{(self._syncs, chunk.seq, chunk.nbytes)}"
-            )
+    def _pull(self, batch: list[int], announcements: list[Any]) -> list[Any]:
+        """Start one read per producer over the batch's chunks; returns the handles."""
         comm: Any = self.communicator
-        if desc is not None:
-            comm.import_exposed(desc)
-        pair = self._pairs[chunk.producer]
-        remote = pair.remote_name if source is None else source
-        return comm.read_async(pair.peer_rank, remote, self._target(j), offset)
+        by_producer: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
+        for j, (sync, seq, offset, nbytes, source, desc) in zip(batch, announcements, strict=True):
+            chunk = self.chunks[j]
+            if (sync, seq, nbytes) != (self._syncs, chunk.seq, chunk.nbytes):
+                raise RuntimeError(
+                    f"consumer {self.consumer_id} <- producer {chunk.producer}: announced "
+                    f"(sync, seq, nbytes) {(sync, seq, nbytes)}, expected "
+                    f"{(self._syncs, chunk.seq, chunk.nbytes)}"
+                )
+            if desc is not None:
+                comm.import_exposed(desc)
+            remote = self._pairs[chunk.producer].remote_name if source is None else source
+            by_producer.setdefault(chunk.producer, []).append((remote, offset, self._target(j)))
+        return [
+            comm.read_batch_async(self._pairs[p].peer_rank, requests)
+            for p, requests in by_producer.items()
+        ]
 
     def _complete(
-        self, flight: deque[tuple[int, Any]], staged: set[tuple[int, int]], finished: dict[int, int]
+        self,
+        flight: deque[tuple[list[int], list[Any]]],
+        staged: set[tuple[int, int]],
+        finished: dict[int, int],
     ) -> None:
-        """Finish the oldest read: unpack it, free its staging slot, report when idle."""
-        j, handle = flight.popleft()
-        chunk = self.chunks[j]
-        what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
-        wait_read(handle, self.config.stall_timeout, what)
-        finished[chunk.producer] = chunk.seq
-        if self._direct[j] is None:
-            self._unpack(self._target(j), chunk)
-            staged.discard((chunk.producer, chunk.seq % self.layout.ring_slots))
-        if not flight or not flight[0][1].done():
+        """Finish the oldest batch: unpack it, free its staging slots, report when idle."""
+        batch, handles = flight.popleft()
+        what = f"consumer {self.consumer_id}: batch of {len(batch)} chunks"
+        for handle in handles:
+            wait_read(handle, self.config.stall_timeout, what)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        k = self.layout.ring_slots
+        for j in batch:
+            chunk = self.chunks[j]
+            finished[chunk.producer] = chunk.seq
+            if self._direct[j] is None:
+                views = self._unpack_plan(j)
+                dsts += views[0]
+                srcs += views[1]
+                staged.discard((chunk.producer, chunk.seq % k))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        if not flight or not all(h.done() for h in flight[0][1]):
             self._report(finished)  # nothing else is ready: let producers reuse their slots
 
     def _report(self, finished: dict[int, int]) -> None:
@@ -1137,12 +1178,21 @@ class WeightConsumer(_Engine):
         return None
 
     def _unpack(self, slot: torch.Tensor, chunk: Chunk) -> None:
-        views = self._unpack_views.get(chunk.index)
-        if views is None:  # the slot of a chunk never moves: build its views once
+        torch._foreach_copy_(*self._unpack_plan(chunk.index, slot))
+
+    def _unpack_plan(
+        self, j: int, slot: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destination views, wire views in the chunk's slot) of chunk ``j``, built once: the
+        slot of a chunk never moves."""
+        views = self._unpack_views.get(j)
+        if views is None:
+            chunk = self.chunks[j]
+            slot = self._target(j) if slot is None else slot
             srcs = []
             for i, off in zip(chunk.items, chunk.offsets, strict=True):
                 dtype, shape, nbytes = self._items[i]
                 wire = slot[off : off + nbytes].view(dtype).view(shape)
                 srcs.append(self._views(wire, self._suffixes[i]))
-            views = self._unpack_views[chunk.index] = ([self._dests[i] for i in chunk.items], srcs)
-        torch._foreach_copy_(*views)
+            views = self._unpack_views[j] = ([self._dests[i] for i in chunk.items], srcs)
+        return views
