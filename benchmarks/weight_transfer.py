@@ -229,6 +229,8 @@ def run_case(
     )
     # one intra-op thread per worker, as torchrun sets: workers share the cores
     env = {"OMP_NUM_THREADS": str(args.threads)}
+    if args.trace:
+        env["VLLM_DIST_WT_TRACE"] = "1"
     comm = CommunicatorType(args.comm)
     results = MPLauncher(n, timeout=args.timeout, env=env).launch(
         task_type=BenchTask,
@@ -270,6 +272,19 @@ def run_case(
         "bake_s": max(r.get("bake_seconds", 0.0) for r in results),
         "setup_phases": {f"{r['role']} {r['index']}": r.get("setup_phases") for r in results},
         "verified": all(o is not False for r in consumers for o in r["outputs"]),
+        "traces": _traces(results),
+    }
+
+
+def _traces(results: list[dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
+    """The last sync's event timeline of every rank, in µs since the earliest sync start."""
+    traced = [r for r in results if r.get("trace")]
+    if not traced:
+        return {}
+    t0 = min(r["trace"][0][0] for r in traced)
+    return {
+        f"{r['role']} {r['index']}": [(round((t - t0) * 1e6, 1), e) for t, e in r["trace"]]
+        for r in traced
     }
 
 
@@ -295,6 +310,9 @@ def main() -> None:
         "(1024 below 1 GiB, 2048 below 4 GiB, 4096 below 40 GiB)",
     )
     ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument(
+        "--trace", action="store_true", help="record the last sync's event timeline per rank"
+    )
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each worker")
     ap.add_argument(
         "--comm", default="torch_distributed", help="communicator: torch_distributed, nixl_rdt, ..."

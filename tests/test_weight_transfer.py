@@ -642,6 +642,35 @@ def test_read_path_nixl_stages_two_replicas_one_slot(shapes: dict[str, Any]) -> 
     assert all(r["syncs"][0]["chunks"] > 8 for r in results if r["role"] == "producer")
 
 
+class SwappingStorageTask(LlamaTransferTask):
+    """A trainer that swaps its parameters' storage (``p.data = ...``) before sync 2: the
+    tensor objects stay, so only their data pointers tell that the bytes moved."""
+
+    def before_producer_sync(self, step: int, source: Any, **kw: Any) -> None:
+        if step == 2:  # fresh storage; the old one keeps sync 1's bytes
+            for t in self._state.values():
+                t.data = torch.empty_like(t.data)
+        super().before_producer_sync(step, source, **kw)
+
+
+@pytest.mark.parametrize("comm", ["torch_distributed", "nixl_rdt"])
+@distributed_test(timeout=150)
+def test_sync_follows_a_storage_swap(shapes: dict[str, Any], comm: str) -> None:
+    if comm == "nixl_rdt":
+        _needs_nixl()
+    results = _launch(
+        3,
+        task=SwappingStorageTask,
+        comm=CommunicatorType(comm),
+        num_producers=1,
+        num_consumers=2,
+        syncs=4,
+        shapes=shapes,
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+    )
+    _assert_verified(results, 4)
+
+
 @distributed_test(timeout=120)
 def test_read_path_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]) -> None:
     _needs_nixl()

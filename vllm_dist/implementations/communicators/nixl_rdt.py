@@ -65,6 +65,7 @@ CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 # notification kinds (first byte); the rest is a pickled payload
 _READY, _DONE, _ERROR, _USER = b"R", b"D", b"E", b"U"
 _BATCH_COPY_BYTES = 1 << 20  # CUDA IPC pieces below this share one batched copy launch
+_MAX_PREPARED = 1 << 16  # CUDA IPC copy views kept for reuse (a weight sync repeats its reads)
 
 
 class NixlTransferError(RuntimeError):
@@ -391,6 +392,8 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._graveyard: list[tuple[nixl_xfer_handle, list[_Registration]]] = []
         self._last_backend = ""
         self._ipc_maps: dict[tuple[int, str, int], torch.Tensor | None] = {}
+        # (peer, op, remote name, addr, offset, nbytes, local ptr) -> prepared IPC copy views
+        self._prepared: dict[tuple[int, str, str, int, int, int, int], Any] = {}
         self._use_ipc = self._device.type == "cuda" and self._opts.cuda_ipc
         self._spin_s = 0.002 if self._device.type == "cuda" else 0.0  # see _Backoff
         self._connect()
@@ -706,6 +709,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
             return
         if self._ipc_maps:
             torch.cuda.synchronize(self._device)  # no copy may still use a peer's mapping
+            self._prepared.clear()
             self._ipc_maps.clear()
         for handle, _ in self._graveyard:
             with contextlib.suppress(Exception):
@@ -843,6 +847,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._check_peer(peer)
         known = self._remote_exposed.get(peer, {})
         pieces: list[tuple[torch.Tensor, int, int, ExposedBuffer]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if self._use_ipc else None
         for i, (remote_name, off, view, n) in enumerate(requests):
             remote = known.get(remote_name)
             if remote is None:
@@ -852,6 +857,12 @@ class NixlRdtCommunicator(DeviceCommunicator):
                     "import_exposed() first"
                 )
             check_tensor(view, self._device, f"local[{i}]")
+            key = (peer, op, remote_name, remote.addr, off, n, view.data_ptr())
+            hit = self._prepared.get(key)
+            if hit is not None and copies is not None:
+                pieces.append((view, off, n, remote))
+                copies.append(hit)  # checked and sliced by an earlier request
+                continue
             have = view.numel() * view.element_size()
             if not 0 <= n <= have:
                 raise ValueError(f"request {i}: nbytes={n} but the local view holds {have} bytes")
@@ -861,12 +872,21 @@ class NixlRdtCommunicator(DeviceCommunicator):
                     f"({remote.nbytes} bytes) on rank {peer}"
                 )
             pieces.append((view, off, n, remote))
+            mapped = None if copies is None else self._ipc_mapping(peer, remote)
+            if mapped is None:
+                copies = None
+            elif copies is not None:
+                mine = view.reshape(-1).view(torch.uint8)[:n]
+                theirs = mapped[off : off + n]
+                prepared = (mine, theirs, n) if op == "READ" else (theirs, mine, n)
+                if len(self._prepared) >= _MAX_PREPARED:
+                    self._prepared.clear()
+                self._prepared[key] = prepared
+                copies.append(prepared)
+        if copies is not None:
+            return self._ipc_copy(op, peer, copies, notify)
         names = sorted({p[3].name for p in pieces})
         what = f"{op} of {', '.join(map(repr, names[:3]))}{' ...' if len(names) > 3 else ''}"
-        maps = [self._ipc_mapping(peer, p[3]) for p in pieces]
-        if all(m is not None for m in maps):
-            copies = [(view, m, off, n) for (view, off, n, _), m in zip(pieces, maps, strict=True)]
-            return self._ipc_copy(op, peer, copies, notify)  # type: ignore[arg-type]
         notif = b"" if notify is None else _USER + bytes(notify)
         return self._post(
             op,
@@ -893,26 +913,22 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self,
         op: str,
         peer: int,
-        copies: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]],
+        copies: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
         notify: bytes | None,
     ) -> _CopyTransfer:
-        """Copy kernels over ``(local view, peer mapping, offset, nbytes)``: one kernel per large
-        piece, one batched (``_foreach_copy_``) launch for all the small ones."""
-        big: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        small: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for view, mapped, off, n in copies:
-            if n == 0:
-                continue
-            mine = view.reshape(-1).view(torch.uint8)[:n]
-            theirs = mapped[off : off + n]
-            into, out = (mine, theirs) if op == "READ" else (theirs, mine)
-            batch = big if n >= _BATCH_COPY_BYTES else small
-            batch[0].append(into)
-            batch[1].append(out)
-        for into, out in zip(*big, strict=True):
-            into.copy_(out, non_blocking=True)
-        if small[0]:
-            torch._foreach_copy_(small[0], small[1], non_blocking=True)
+        """Copy kernels over ``(destination, source, nbytes)`` byte views, one side of each a
+        peer's CUDA IPC mapping: one kernel per large piece, one batched
+        (``_foreach_copy_``) launch for all the small ones."""
+        small_dst: list[torch.Tensor] = []
+        small_src: list[torch.Tensor] = []
+        for dst, src, n in copies:
+            if n >= _BATCH_COPY_BYTES:
+                dst.copy_(src, non_blocking=True)
+            elif n:
+                small_dst.append(dst)
+                small_src.append(src)
+        if small_dst:
+            torch._foreach_copy_(small_dst, small_src, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self._device))
         xfer = _CopyTransfer(self, event, f"{op} of rank {peer}'s buffer through CUDA IPC")

@@ -31,6 +31,7 @@ group's source tensors once every chunk of it has been delivered.
 from __future__ import annotations
 
 import operator
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -246,6 +247,10 @@ class _Engine:
         self._read = _uses_read(communicator, config.transport)
         self._syncs = 0
         self.setup_phases: dict[str, float] = {}  # seconds per set-up step, for benchmarks
+        # VLLM_DIST_WT_TRACE=1: (monotonic time, event) of the last sync, for benchmarks
+        self.trace: list[tuple[float, str]] | None = (
+            [] if os.environ.get("VLLM_DIST_WT_TRACE") == "1" else None
+        )
         self._phase_start = time.perf_counter()
         self._exposed: list[str] = []
 
@@ -253,6 +258,10 @@ class _Engine:
     def path(self) -> str:
         """``"read"`` (one-sided) or ``"send_recv"``: the data path this engine uses."""
         return "read" if self._read else "send_recv"
+
+    def _mark(self, event: str) -> None:
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), event))
 
     def _phase(self, name: str) -> float:
         """Record the seconds since the previous phase ended under ``name``; returns them."""
@@ -328,7 +337,8 @@ class WeightProducer(_Engine):
         self.source = source
         self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
         self._source_names: dict[tuple[int, int], tuple[str, Any]] = {}  # exposed sources
-        self._unsynced = False  # READ path: packs queued on the device since the last sync
+        # READ path: (destinations, sources) of the packs queued since the last announcement
+        self._packs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._seen_sources: tuple[set[Any], set[Any]] = (set(), set())  # (last sync, this one)
 
     # -- set-up --------------------------------------------------------------------------------
@@ -512,6 +522,9 @@ class WeightProducer(_Engine):
     def sync(self) -> SyncStats:
         """Serve one version of the weights to every consumer; returns this rank's stats."""
         start = time.perf_counter()
+        if self.trace is not None:
+            self.trace.clear()
+        self._mark("sync")
         begin = getattr(self.source, "begin_sync", None)
         if begin is not None:
             begin()
@@ -526,16 +539,20 @@ class WeightProducer(_Engine):
                 if self._read:  # a new group: what the last one queued goes out now
                     self._announce_all()
                     self._poll_done(barrier)
+                self._mark(f"open {g}")
                 opened[g] = self.source.open_group(self._group_names[g])
                 if self._read:  # consumers may read sources in place: their bytes must exist
                     device_synchronize(self.communicator.device)
+                self._mark(f"opened {g}")
             pair = self._pairs[cid]
             chunk = pair.chunks[i]
             serve(cid, pair, chunk, opened[g], barrier)
             moved += chunk.nbytes
+        self._mark("drain")
         self._drain(barrier)
         barrier.wait_all(self.config.stall_timeout)
         self._release(barrier, opened)
+        self._mark("end")
         self._seen_sources = (self._seen_sources[1], set())
         return SyncStats(
             seconds=time.perf_counter() - start,
@@ -586,8 +603,7 @@ class WeightProducer(_Engine):
                 self._take_done(cid, pair, barrier, block=True)
             start = (chunk.seq % k) * pair.slot_bytes
             slot = pair.ring.buffer[start : start + chunk.nbytes]
-            self._pack(slot, pair, chunk, tensors)
-            self._unsynced = True
+            self._pack(slot, pair, chunk, tensors, defer=True)
             pair.outbox.append((self._syncs, chunk.seq, start, chunk.nbytes, None, None))
         pair.pending.append((chunk.seq, chunk.group))
         pair.outbox_bytes += chunk.nbytes
@@ -598,9 +614,11 @@ class WeightProducer(_Engine):
         """Send the pair's queued announcements as one message, once every pack behind them
         has finished (one device synchronization covers all the packs queued so far)."""
         if pair.outbox:
-            if self._unsynced:
+            if self._packs[0]:  # every queued pack in one launch, then one synchronization
+                torch._foreach_copy_(*self._packs)
+                self._packs = ([], [])
                 device_synchronize(self.communicator.device)
-                self._unsynced = False
+            self._mark(f"announce {pair.peer_rank} x{len(pair.outbox)}")
             self.communicator.notify(pair.peer_rank, ready_message(pair.outbox))  # type: ignore[attr-defined]
             pair.outbox = []
         pair.outbox_bytes = 0
@@ -622,7 +640,11 @@ class WeightProducer(_Engine):
         """
         if len(chunk.items) != 1:
             return None
-        view = self._sources(pair, chunk, tensors)[0]
+        srcs = self._sources(pair, chunk, tensors)
+        plan = pair.views[chunk.index]
+        if plan.inplace is not None and plan.inplace[0] is srcs:
+            return plan.inplace[1], plan.inplace[2], None  # same source objects as last sync
+        view = srcs[0]
         if not view.is_contiguous():
             return None
         storage = view.untyped_storage()
@@ -640,6 +662,7 @@ class WeightProducer(_Engine):
             self._exposed.append(name)
             known = self._source_names[key] = (name, desc)
         name, desc = known
+        plan.inplace = (srcs, name, offset)
         if name in pair.told:
             return name, offset, None
         pair.told.add(name)  # this consumer imports the descriptor once
@@ -650,7 +673,9 @@ class WeightProducer(_Engine):
         what = f"producer {self.producer_id} waiting for consumer {cid} to read"
         if block:
             self._announce_all()  # never wait on a consumer that has not been told everything
+            self._mark(f"wait done {pair.peer_rank}")
             msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
+            self._mark(f"got done {pair.peer_rank}")
         else:
             found = poll_message(self.communicator, pair.peer_rank)
             if found is None:
@@ -693,15 +718,27 @@ class WeightProducer(_Engine):
         return _as_bytes(srcs[0]) if srcs[0].is_contiguous() else None
 
     def _pack(
-        self, slot: torch.Tensor, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
+        self,
+        slot: torch.Tensor,
+        pair: _Pair,
+        chunk: Chunk,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        defer: bool = False,
     ) -> None:
+        """Copy the chunk's items into its slot; ``defer``: queue the copies for ``_announce``."""
         plan = pair.views[chunk.index]
         if plan.dsts is None:  # the slot of a chunk never moves: build its views once
             plan.dsts = [
                 slot[off : off + pair.items[i][2]].view(pair.items[i][0]).view(pair.items[i][1])
                 for i, off in zip(chunk.items, chunk.offsets, strict=True)
             ]
-        torch._foreach_copy_(plan.dsts, self._sources(pair, chunk, tensors))
+        srcs = self._sources(pair, chunk, tensors)
+        if defer:
+            self._packs[0].extend(plan.dsts)
+            self._packs[1].extend(srcs)
+        else:
+            torch._foreach_copy_(plan.dsts, srcs)
 
     def _sources(
         self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
@@ -709,10 +746,16 @@ class WeightProducer(_Engine):
         """The chunk's source views; rebuilt only when a source tensor object changed."""
         plan = pair.views[chunk.index]
         objs = [tensors[n] for n in plan.names]
-        if plan.objs is None or not all(map(operator.is_, objs, plan.objs)):
+        ptrs = [t.data_ptr() for t in objs]  # a ``p.data = ...`` swap keeps the object
+        if (
+            plan.objs is None
+            or not all(map(operator.is_, objs, plan.objs))
+            or not all(map(operator.eq, ptrs, plan.ptrs))
+        ):
             views = self._views
             plan.srcs = [views(t, c) for t, c in zip(objs, plan.prefixes, strict=True)]
             plan.objs = objs
+            plan.ptrs = ptrs
         assert plan.srcs is not None
         return plan.srcs
 
@@ -726,6 +769,8 @@ class _PackPlan:
     dsts: list[torch.Tensor] | None = None
     objs: list[torch.Tensor] | None = None  # the source tensors ``srcs`` were built from
     srcs: list[torch.Tensor] | None = None
+    ptrs: list[int] = field(default_factory=list)  # data pointers of ``objs``
+    inplace: tuple[list[torch.Tensor], str, int] | None = None  # (srcs, exposed name, offset)
 
 
 _MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
@@ -1004,6 +1049,7 @@ class WeightConsumer(_Engine):
         self._items = _item_table(self.requests)
         self._suffixes = _shared_splits(self.requests, 1)
         self._direct = [self._direct_dest(c) for c in self.chunks]
+        self._targets: list[torch.Tensor | None] = [None] * len(self.chunks)
         k = self.layout.ring_slots
         last: dict[tuple[int, int], int] = {}
         self._prev_in_slot: list[int] = []
@@ -1016,6 +1062,9 @@ class WeightConsumer(_Engine):
     def sync(self) -> SyncStats:
         """Receive one version of the weights into ``params``; returns this rank's stats."""
         start = time.perf_counter()
+        if self.trace is not None:
+            self.trace.clear()
+        self._mark("sync")
         self._syncs += 1
         if self._read:
             self._receive_read()
@@ -1070,11 +1119,13 @@ class WeightConsumer(_Engine):
                     staged.add(slot)
                 nxt += 1
             if batch:
+                self._mark(f"pull x{len(batch)}")
                 flight.append((batch, self._pull(batch, announcements)))
             if flight:
                 self._complete(flight, staged, finished)
         self._report(finished)
         device_synchronize(comm.device)
+        self._mark("end")
 
     def _announced(self, chunk: Chunk, inbox: dict[int, deque[Any]], *, block: bool) -> bool:
         """Whether ``chunk``'s announcement is in the inbox, fetching messages (waiting for
@@ -1084,9 +1135,11 @@ class WeightConsumer(_Engine):
             pair = self._pairs[chunk.producer]
             what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
             if block:
+                self._mark(f"wait ready {pair.peer_rank}")
                 msg: bytes | None = wait_message(
                     self.communicator, pair.peer_rank, self.config.stall_timeout, what
                 )
+                self._mark("got ready")
             else:
                 msg = poll_message(self.communicator, pair.peer_rank)
                 if msg is None:
@@ -1125,8 +1178,10 @@ class WeightConsumer(_Engine):
         """Finish the oldest batch: unpack it, free its staging slots, report when idle."""
         batch, handles = flight.popleft()
         what = f"consumer {self.consumer_id}: batch of {len(batch)} chunks"
+        self._mark("wait read")
         for handle in handles:
             wait_read(handle, self.config.stall_timeout, what)
+        self._mark("read done")
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         k = self.layout.ring_slots
@@ -1144,6 +1199,7 @@ class WeightConsumer(_Engine):
             self._report(finished)  # nothing else is ready: let producers reuse their slots
 
     def _report(self, finished: dict[int, int]) -> None:
+        self._mark("report")
         for p, seq in finished.items():
             message = done_message(self._syncs, seq)
             self.communicator.notify(self._pairs[p].peer_rank, message)  # type: ignore[attr-defined]
@@ -1151,6 +1207,12 @@ class WeightConsumer(_Engine):
 
     def _target(self, j: int) -> torch.Tensor:
         """Where chunk ``j``'s bytes land: its destination (direct) or its staging slot."""
+        target = self._targets[j]
+        if target is None:
+            target = self._targets[j] = self._find_target(j)
+        return target
+
+    def _find_target(self, j: int) -> torch.Tensor:
         direct = self._direct[j]
         if direct is not None:
             return direct

@@ -144,6 +144,8 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
             engine.close()
         result = self._result("producer", pid, engine.setup_seconds, stats, outputs)
         result["setup_phases"] = engine.setup_phases
+        if engine.trace is not None:
+            result["trace"] = engine.trace
         return result
 
     def _run_consumer(
@@ -171,6 +173,8 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
         result = self._result("consumer", cid, engine.setup_seconds, stats, outputs)
         result["bake_seconds"] = engine.bake_seconds
         result["setup_phases"] = engine.setup_phases
+        if engine.trace is not None:
+            result["trace"] = engine.trace
         return result
 
     @staticmethod
