@@ -18,11 +18,18 @@ import pytest
 import torch
 
 from tests.utils import distributed_test
-from vllm_dist import CommunicatorType, CoordinatorType, LaunchError, MPLauncher
+from vllm_dist import (
+    CommunicatorType,
+    CoordinatorType,
+    GlobalCoordinatorDistributedTask,
+    LaunchError,
+    MPLauncher,
+)
 from vllm_dist.tasks.weight_transfer import (
     ALLOWED_OPS,
     RDT_MIN_RAY_VERSION,
     BakeError,
+    Fleet,
     FreeBarrier,
     JoinSpec,
     LayoutConfig,
@@ -30,11 +37,13 @@ from vllm_dist.tasks.weight_transfer import (
     RdtRouter,
     Request,
     ServeRing,
+    StateDictSource,
     TransferConfig,
     TransferStallError,
     UnsafeOpError,
     WeightConsumer,
     WeightMeta,
+    WeightProducer,
     assign_producer_indices,
     bake,
     buffer_alloc_bytes,
@@ -45,13 +54,14 @@ from vllm_dist.tasks.weight_transfer import (
     pair_digest,
     replay,
 )
-from vllm_dist.tasks.weight_transfer.demo import LlamaTransferTask, summarize
+from vllm_dist.tasks.weight_transfer.demo import LlamaTransferTask, allocate, summarize
 from vllm_dist.tasks.weight_transfer.engine import _ShapeCache
 from vllm_dist.tasks.weight_transfer.ops import loader_key
 from vllm_dist.tasks.weight_transfer.plan import decode_requests, encode_requests, plan_digest
 from vllm_dist.tasks.weight_transfer.tp import (
     column_parallel,
     expected_params,
+    fill_weights,
     fused_shard,
     llama_shapes,
     llama_tp_layout,
@@ -669,6 +679,86 @@ def test_sync_follows_a_storage_swap(shapes: dict[str, Any], comm: str) -> None:
         config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
     )
     _assert_verified(results, 4)
+
+
+class RejoinTask(GlobalCoordinatorDistributedTask):
+    """1 producer, 2 TP-2 consumers. Consumer 1 defers set-up and joins after sync 0;
+    consumer 0 restarts (a new engine over fresh parameters) after sync 1. Every consumer
+    that holds weights checks them byte for byte after every sync it takes part in."""
+
+    def post_init_distributed(self, shapes: Any = None, config: Any = None, **_: Any) -> Any:
+        fleet = Fleet.split(1, 2)
+        rank = self.coordinator.get_rank()
+        coord, comm = self.coordinator, self.communicator
+        if rank == 0:
+            state = allocate(shapes, self.device)
+            producer = WeightProducer(
+                coord, comm, fleet=fleet, source=StateDictSource(state), config=config
+            )
+            producer.setup()
+            try:
+                for step in range(4):
+                    if step == 1:
+                        producer.admit(1)  # the late consumer
+                    if step == 2:
+                        producer.admit(0)  # the restarted one
+                    fill_weights(state, 0, step)
+                    producer.sync()
+            finally:
+                producer.close()
+            return None
+        cid = rank - 1
+        full = allocate(shapes)
+
+        def engine() -> tuple[WeightConsumer, dict[str, torch.Tensor], Any]:
+            params, routes = llama_tp_layout(shapes, cid, 2, self.device)
+            consumer = WeightConsumer(
+                coord,
+                comm,
+                fleet=fleet,
+                params=params,
+                route=lambda n: routes.get(n, []),
+                config=config,
+            )
+            return consumer, params, routes
+
+        consumer, params, routes = engine()
+        consumer.setup(defer=cid == 1)
+        checked = []
+        try:
+            for step in range(4):
+                if cid == 1 and step == 0:
+                    continue  # not in the fleet yet: sync 0 goes to consumer 0 alone
+                if cid == 1 and step == 1:
+                    consumer.join()
+                if cid == 0 and step == 2:
+                    consumer.close()
+                    consumer, params, routes = engine()
+                    consumer.join()
+                consumer.sync()
+                fill_weights(full, 0, step)
+                want = expected_params(params, routes, full)
+                ok = all(tensor_digest(t) == tensor_digest(want[n]) for n, t in params.items())
+                checked.append((step, ok))
+        finally:
+            consumer.close()
+        return checked
+
+
+@pytest.mark.parametrize("comm", ["torch_distributed", "nixl_rdt"])
+@distributed_test(timeout=150)
+def test_consumer_joins_late_and_restarts(shapes: dict[str, Any], comm: str) -> None:
+    if comm == "nixl_rdt":
+        _needs_nixl()
+    results = _launch(
+        3,
+        task=RejoinTask,
+        comm=CommunicatorType(comm),
+        shapes=shapes,
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+    )
+    assert results[1] == [(0, True), (1, True), (2, True), (3, True)]
+    assert results[2] == [(1, True), (2, True), (3, True)]
 
 
 @distributed_test(timeout=120)

@@ -277,11 +277,18 @@ class _Engine:
 
     def _index(self, facts: ProducerFacts | None) -> ModelIndex:
         gathered = self.coordinator.all_gather_object(facts)
-        producer_facts = [gathered[r] for r in self.fleet.producer_ranks]
+        return self._build_index([gathered[r] for r in self.fleet.producer_ranks])
+
+    def _build_index(self, producer_facts: list[ProducerFacts]) -> ModelIndex:
+        self.producer_facts = producer_facts
         self.index = build_index(
             producer_facts, len(self.fleet.consumer_ranks), self.config.workers_per_replica
         )
         return self.index
+
+    def _unexpose(self, name: str) -> None:
+        self.communicator.unexpose(name)  # type: ignore[attr-defined]
+        self._exposed.remove(name)
 
     def close(self) -> None:
         for pair in self._pairs.values():
@@ -337,6 +344,7 @@ class WeightProducer(_Engine):
         self.source = source
         self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
         self._source_names: dict[tuple[int, int], tuple[str, Any]] = {}  # exposed sources
+        self._generation = 0  # serve rings exposed by ``admit``
         # READ path: (destinations, sources) of the packs queued since the last announcement
         self._packs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._seen_sources: tuple[set[Any], set[Any]] = (set(), set())  # (last sync, this one)
@@ -375,6 +383,63 @@ class WeightProducer(_Engine):
             if pair.ring is not None:
                 self._expose(pair.ring.buffer, ring_name(self.producer_id, cid))
         self.communicator.exchange_exposed()  # type: ignore[attr-defined]
+
+    def admit(self, consumer_id: int) -> None:
+        """Take consumer ``consumer_id`` (back) in, between syncs.
+
+        For a consumer that sat out set-up (``WeightConsumer.setup(defer=True)``) or was
+        restarted (a new ``WeightConsumer`` over the same ranks calling ``join()``): call it
+        on every producer while that consumer calls ``join()``. Only those ranks take part —
+        the other consumers neither wait nor notice, and their next sync is unchanged. The
+        consumer's plan is checked like at set-up; on a refusal anywhere the consumer is left
+        out of the fleet (the others keep syncing) and ``admit`` raises the reason.
+        """
+        if not 0 <= consumer_id < len(self.fleet.consumer_ranks):
+            raise ValueError(f"no consumer {consumer_id} in {self.fleet}")
+        crank = self.fleet.consumer_ranks[consumer_id]
+        index = self.index
+        assert index is not None, "admit() needs setup() first"
+        facts = self.producer_facts if self.producer_id == 0 else None
+        self.coordinator.send_object(("admit", self.producer_id, self._syncs, facts), crank)
+        plan_msg = self.coordinator.recv_object(crank)
+        reserve_msg = self.coordinator.recv_object(crank)
+        self._drop_pair(consumer_id)
+        error: Exception | None = None
+        try:
+            self._accept(consumer_id, crank, index, plan_msg, reserve_msg)
+        except Exception as exc:  # reported to the consumer, then raised here
+            error = exc
+        self.coordinator.send_object(
+            None if error is None else f"{type(error).__name__}: {error}", crank
+        )
+        verdict = self.coordinator.recv_object(crank)  # the consumer's: every producer agreed?
+        if error is not None or verdict is not None:
+            self._drop_pair(consumer_id)
+            self._pairs[consumer_id] = _Pair(peer_rank=crank, chunks=[], requests=[], slot_bytes=0)
+            self._build_schedule()
+            if error is not None:
+                raise error
+            raise WeightTransferSetupError(f"consumer {consumer_id} was not admitted: {verdict}")
+        self._build_schedule()
+        pair = self._pairs[consumer_id]
+        if self._read and pair.ring is not None:
+            self._generation += 1
+            name = f"{ring_name(self.producer_id, consumer_id)}-g{self._generation}"
+            desc = self.communicator.expose(pair.ring.buffer, name)  # type: ignore[attr-defined]
+            self._exposed.append(name)
+            pair.remote_name = name
+            self.coordinator.send_object(desc, crank)
+
+    def _drop_pair(self, consumer_id: int) -> None:
+        """Release what this producer holds for one consumer (its ring, sender, exposure)."""
+        pair = self._pairs.pop(consumer_id, None)
+        if pair is None:
+            return
+        if pair.worker is not None:
+            pair.worker.close()
+        name = pair.remote_name or ring_name(self.producer_id, consumer_id)
+        if pair.ring is not None and name in self._exposed:
+            self._unexpose(name)
 
     def _accept(
         self, cid: int, crank: int, index: ModelIndex, plan_msg: Any, reserve_msg: Any
@@ -886,22 +951,23 @@ class WeightConsumer(_Engine):
         self.bake_seconds = 0.0
 
     # -- set-up --------------------------------------------------------------------------------
-    def setup(self) -> None:
-        """Bake, plan and reserve; raises on any rank's refusal (see module docstring)."""
+    def setup(self, *, defer: bool = False) -> None:
+        """Bake, plan and reserve; raises on any rank's refusal (see module docstring).
+
+        ``defer``: take part in the fleet's set-up without a plan (the engine is not ready
+        yet); producers serve this consumer nothing until it calls ``join()``.
+        """
         start = self._phase_start = time.perf_counter()
         index = self._index(None)
         self._phase("index")
-        error: BaseException | None = None
-        try:
-            self.requests, dests = self._bake(index)
-            self.bake_seconds = self._phase("bake")
-            self._dests = [self._dest_view(name, chain) for name, chain in dests]
-            self._dest_params = [name for name, _ in dests]
-            self._phase("destination views")
-            self.chunks = self._plan(index)
-            self._phase("plan")
-        except Exception as exc:  # reported to the fleet below
-            error = exc
+        if defer:
+            self._send_plans(index, None, deferred=True)
+            _gather_verdicts(self.coordinator, None)
+            if self._read:
+                self.communicator.exchange_exposed()  # type: ignore[attr-defined]
+            self.setup_seconds = time.perf_counter() - start
+            return
+        error = self._prepare(index)
         self._send_plans(index, error)
         self._phase("send plans")
         _gather_verdicts(self.coordinator, error)
@@ -911,6 +977,62 @@ class WeightConsumer(_Engine):
             self._connect_read()
         self._phase("rings")
         self.setup_seconds = time.perf_counter() - start
+
+    def join(self) -> None:
+        """Join the fleet between syncs, while every producer calls ``admit(consumer_id)``.
+
+        For a consumer that deferred set-up or a restarted one (a new engine, e.g. after the
+        inference worker reloaded its model): the producers' facts come from producer 0, the
+        plan is checked like at set-up, and only this consumer and the producers take part.
+        Raises ``WeightTransferSetupError`` (or this rank's own error) when any side refused.
+        """
+        start = self._phase_start = time.perf_counter()
+        prods = self.fleet.producer_ranks
+        hello = [self.coordinator.recv_object(r) for r in prods]
+        for p, msg in enumerate(hello):
+            if not (isinstance(msg, tuple) and msg[:2] == ("admit", p)):
+                raise RuntimeError(f"expected admit() from producer {p}, got {msg!r:.80}")
+        self._syncs = hello[0][2]
+        index = self._build_index(hello[0][3])
+        self._phase("index")
+        error = self._prepare(index)
+        self._send_plans(index, error)
+        verdicts = [self.coordinator.recv_object(r) for r in prods]
+        refused = [f"producer {p}: {v}" for p, v in enumerate(verdicts) if v is not None]
+        verdict = (
+            f"consumer {self.consumer_id}: {type(error).__name__}: {error}"
+            if error is not None
+            else ("; ".join(refused) or None)
+        )
+        for r in prods:
+            self.coordinator.send_object(verdict, r)
+        if error is not None:
+            raise error
+        if verdict is not None:
+            raise WeightTransferSetupError(f"join refused: {verdict}")
+        self._make_rings()
+        if self._read:
+            for pair in self._pairs.values():
+                desc = self.coordinator.recv_object(pair.peer_rank)
+                self.communicator.import_exposed(desc)  # type: ignore[attr-defined]
+                pair.remote_name = desc.name
+            self._pin_destinations()
+        self._phase("rings")
+        self.setup_seconds = time.perf_counter() - start
+
+    def _prepare(self, index: ModelIndex) -> BaseException | None:
+        """Bake and plan; returns the error instead of raising (the fleet must hear of it)."""
+        try:
+            self.requests, dests = self._bake(index)
+            self.bake_seconds = self._phase("bake")
+            self._dests = [self._dest_view(name, chain) for name, chain in dests]
+            self._dest_params = [name for name, _ in dests]
+            self._phase("destination views")
+            self.chunks = self._plan(index)
+            self._phase("plan")
+        except Exception as exc:  # reported to the fleet by the caller
+            return exc
+        return None
 
     def _plan(self, index: ModelIndex) -> list[Chunk]:
         """``build_chunks`` over the index's per-name arrays (a name it lacks: group 0,
@@ -938,6 +1060,10 @@ class WeightConsumer(_Engine):
         self.communicator.exchange_exposed()  # type: ignore[attr-defined]
         for p, pair in self._pairs.items():
             pair.remote_name = ring_name(p, self.consumer_id)
+        self._pin_destinations()
+
+    def _pin_destinations(self) -> None:
+        for p, pair in self._pairs.items():
             assert pair.ring is not None
             self._expose(pair.ring.buffer, f"wt-stage-c{self.consumer_id}-p{p}")
         pinned: set[int] = set()
@@ -1001,7 +1127,9 @@ class WeightConsumer(_Engine):
             )
         return self._views(param, chain)
 
-    def _send_plans(self, index: ModelIndex, error: BaseException | None) -> None:
+    def _send_plans(
+        self, index: ModelIndex, error: BaseException | None, *, deferred: bool = False
+    ) -> None:
         router = index.router
         router.bind(
             actors=list(self.fleet.producer_ranks),
@@ -1011,8 +1139,10 @@ class WeightConsumer(_Engine):
         digests: dict[int, str] = {}
         reserve: dict[int, int] = {}
         for p, prank in enumerate(self.fleet.producer_ranks):
-            if error is not None:
-                payload: Any = f"consumer {self.consumer_id} failed set-up"
+            if error is not None or deferred:
+                payload: Any = f"consumer {self.consumer_id} " + (
+                    "deferred set-up" if deferred else "failed set-up"
+                )
             else:
                 payload = encode_requests(
                     [self.requests[i] for c in self.chunks if c.producer == p for i in c.items]
