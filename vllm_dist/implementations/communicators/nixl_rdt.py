@@ -38,6 +38,7 @@ import contextlib
 import itertools
 import os
 import pickle
+import threading
 import time
 import uuid
 from collections import OrderedDict, defaultdict, deque
@@ -87,6 +88,12 @@ class NixlOptions:
         max_cached_registrations: registrations of non-exposed tensors kept for reuse; the least
             recently used unpinned one is released beyond this.
         num_threads: worker threads of the UCX backend (0 = NIXL's default).
+        progress_delay_us: the poll delay of NIXL's progress thread. None (auto): 1 on DRAM,
+            0 on VRAM. 0 makes the thread busy-poll a whole core (what ``nixl_agent`` always
+            does); any positive value lets it sleep in ``poll()`` until UCX has work (NIXL
+            rounds it up to 1 ms as a fallback wake-up). On the 2-core CPU machine the spinning
+            threads took the core the copy needs: 1 GiB one-sided DRAM moved at about 4 GB/s
+            with 0 and about 5.9 GB/s with 1, and 4 KiB latency did not get worse.
         cuda_ipc: one-sided READ/WRITE of an exposed VRAM buffer on the same node run as copy
             kernels on a CUDA IPC mapping (measured on one H200 at 1 GiB: about 0.92x of an
             in-process copy, against about 0.5x through UCX's cuda_ipc). NIXL still carries every
@@ -98,6 +105,7 @@ class NixlOptions:
     backends: tuple[str, ...] = ("UCX",)
     max_cached_registrations: int = 64
     num_threads: int = 0
+    progress_delay_us: int | None = None
     cuda_ipc: bool = True
 
     def __post_init__(self) -> None:
@@ -105,6 +113,8 @@ class NixlOptions:
             raise ValueError(f"timeout must be positive seconds, got {self.timeout!r}")
         if not self.backends:
             raise ValueError("backends must name at least one NIXL backend, e.g. ('UCX',)")
+        if self.progress_delay_us is not None and self.progress_delay_us < 0:
+            raise ValueError(f"progress_delay_us must be >= 0, got {self.progress_delay_us}")
         if self.max_cached_registrations < 1:
             raise ValueError(
                 f"max_cached_registrations must be >= 1, got {self.max_cached_registrations}"
@@ -192,6 +202,39 @@ class _Registration:
     pinned: int = 0  # exposures of this storage
     inflight: int = 0  # transfers using it now
     shared_with: set[int] = field(default_factory=set)  # ranks that loaded its metadata
+
+
+_AGENT_LOCK = threading.Lock()
+
+
+def _new_agent(api: Any, name: str, config: Any, delay_us: int) -> Any:
+    """``api.nixl_agent(name, config)`` with the progress thread's poll delay set.
+
+    ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` itself and hard-codes
+    ``pthrDelay = 0``; for the length of the call the binding's config class is swapped for a
+    subclass that turns that 0 into ``delay_us`` (under a lock: one agent is built at a time).
+    """
+    bind = api.nixlBind
+    base = bind.nixlAgentConfig
+    if delay_us == 0:
+        return api.nixl_agent(name, config)
+    field_ = base.pthrDelay
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - the binding's name
+            return int(field_.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            field_.__set__(self, delay_us if value == 0 else value)
+
+    with _AGENT_LOCK:
+        bind.nixlAgentConfig = _Config
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgentConfig = base
 
 
 def _load_nixl() -> Any:
@@ -376,7 +419,13 @@ class NixlRdtCommunicator(DeviceCommunicator):
             backends=list(self._opts.backends),
             num_threads=self._opts.num_threads,
         )
-        self._agent: nixl_agent | None = self._api.nixl_agent(name, config)
+        delay = self._opts.progress_delay_us
+        self._progress_delay_us = (
+            (0 if self._device.type == "cuda" else 1) if delay is None else delay
+        )
+        self._agent: nixl_agent | None = _new_agent(
+            self._api, name, config, self._progress_delay_us
+        )
         self._name = name
         self._regs: OrderedDict[tuple[str, int], _Registration] = OrderedDict()
         self._exposed: dict[str, tuple[ExposedBuffer, _Registration]] = {}
@@ -745,6 +794,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
             CUDA_IPC_GET_ZCOPY: os.environ.get(CUDA_IPC_GET_ZCOPY, "(unset)"),
             "ucx_env_set_by_vllm_dist": self._set_ucx_env,
             "cuda_ipc": self._use_ipc,
+            "progress_delay_us": self._progress_delay_us,
         }
         with contextlib.suppress(Exception):
             from importlib import metadata
