@@ -44,6 +44,7 @@ from vllm_dist.tasks.weight_transfer import (
     WeightConsumer,
     WeightMeta,
     WeightProducer,
+    WeightTransferSetupError,
     assign_producer_indices,
     bake,
     buffer_alloc_bytes,
@@ -686,12 +687,15 @@ class RejoinTask(GlobalCoordinatorDistributedTask):
     consumer 0 restarts (a new engine over fresh parameters) after sync 1. Every consumer
     that holds weights checks them byte for byte after every sync it takes part in."""
 
-    def post_init_distributed(self, shapes: Any = None, config: Any = None, **_: Any) -> Any:
+    def post_init_distributed(
+        self, shapes: Any = None, config: Any = None, bad_restart: bool = False, **_: Any
+    ) -> Any:
         fleet = Fleet.split(1, 2)
         rank = self.coordinator.get_rank()
         coord, comm = self.coordinator, self.communicator
         if rank == 0:
             state = allocate(shapes, self.device)
+            refused = ""
             producer = WeightProducer(
                 coord, comm, fleet=fleet, source=StateDictSource(state), config=config
             )
@@ -701,23 +705,30 @@ class RejoinTask(GlobalCoordinatorDistributedTask):
                     if step == 1:
                         producer.admit(1)  # the late consumer
                     if step == 2:
-                        producer.admit(0)  # the restarted one
+                        try:
+                            producer.admit(0)  # the restarted one
+                        except WeightTransferSetupError as exc:
+                            if not bad_restart:
+                                raise
+                            refused = str(exc)
                     fill_weights(state, 0, step)
                     producer.sync()
             finally:
                 producer.close()
-            return None
+            return refused
         cid = rank - 1
         full = allocate(shapes)
 
-        def engine() -> tuple[WeightConsumer, dict[str, torch.Tensor], Any]:
+        def engine(broken: bool = False) -> tuple[WeightConsumer, dict[str, torch.Tensor], Any]:
             params, routes = llama_tp_layout(shapes, cid, 2, self.device)
+            # broken: a route naming a parameter the engine does not have
+            route = (lambda n: [("no.such.param", routes[n][0][1])]) if broken else None
             consumer = WeightConsumer(
                 coord,
                 comm,
                 fleet=fleet,
                 params=params,
-                route=lambda n: routes.get(n, []),
+                route=route or (lambda n: routes.get(n, [])),
                 config=config,
             )
             return consumer, params, routes
@@ -733,8 +744,12 @@ class RejoinTask(GlobalCoordinatorDistributedTask):
                     consumer.join()
                 if cid == 0 and step == 2:
                     consumer.close()
-                    consumer, params, routes = engine()
-                    consumer.join()
+                    consumer, params, routes = engine(broken=bad_restart)
+                    try:
+                        consumer.join()
+                    except KeyError as exc:
+                        checked.append((step, f"refused: {exc}"))
+                        break
                 consumer.sync()
                 fill_weights(full, 0, step)
                 want = expected_params(params, routes, full)
@@ -757,8 +772,24 @@ def test_consumer_joins_late_and_restarts(shapes: dict[str, Any], comm: str) -> 
         shapes=shapes,
         config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
     )
+    assert results[0] == ""
     assert results[1] == [(0, True), (1, True), (2, True), (3, True)]
     assert results[2] == [(1, True), (2, True), (3, True)]
+
+
+@distributed_test(timeout=120)
+def test_refused_restart_leaves_the_other_consumers_syncing(shapes: dict[str, Any]) -> None:
+    results = _launch(
+        3,
+        task=RejoinTask,
+        shapes=shapes,
+        bad_restart=True,
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+    )
+    assert "consumer 0" in results[0] and "no.such.param" in results[0], results[0]
+    assert results[1][:2] == [(0, True), (1, True)]
+    assert results[1][2][0] == 2 and "no.such.param" in results[1][2][1]
+    assert results[2] == [(1, True), (2, True), (3, True)]  # consumer 1 never noticed
 
 
 @distributed_test(timeout=120)
