@@ -198,7 +198,10 @@ _PARENT_SCRIPT = textwrap.dedent(
 def _start_parent(tmp_path) -> tuple[subprocess.Popen[bytes], set[int]]:
     script = tmp_path / "parent.py"
     script.write_text(_PARENT_SCRIPT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # importable uninstalled
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("*.pid"))) < 2:
         assert time.monotonic() < deadline, "workers did not start"

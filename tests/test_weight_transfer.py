@@ -777,6 +777,23 @@ def test_consumer_joins_late_and_restarts(shapes: dict[str, Any], comm: str) -> 
     assert results[2] == [(1, True), (2, True), (3, True)]
 
 
+@distributed_test(gpus=1, timeout=240)
+def test_consumer_joins_late_and_restarts_one_gpu(shapes: dict[str, Any]) -> None:
+    """The same on cuda:0 for all three workers (CUDA IPC reads of the re-exposed rings)."""
+    _needs_nixl()
+    results = _launch(
+        3,
+        timeout=200,
+        task=RejoinTask,
+        comm=CommunicatorType.NIXL_RDT,
+        device="cuda",
+        shapes=shapes,
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+    )
+    assert results[1] == [(0, True), (1, True), (2, True), (3, True)]
+    assert results[2] == [(1, True), (2, True), (3, True)]
+
+
 @distributed_test(timeout=120)
 def test_refused_restart_leaves_the_other_consumers_syncing(shapes: dict[str, Any]) -> None:
     results = _launch(
