@@ -441,7 +441,8 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._graveyard: list[tuple[nixl_xfer_handle, list[_Registration]]] = []
         self._last_backend = ""
         self._ipc_maps: dict[tuple[int, str, int], torch.Tensor | None] = {}
-        # (peer, op, remote name, addr, offset, nbytes, local ptr) -> prepared IPC copy views
+        # (peer, op, remote name, addr, offset, nbytes, local ptr) -> prepared IPC copy views of
+        # exposed local memory (never of a caller's temporary tensors: that would keep them)
         self._prepared: dict[tuple[int, str, str, int, int, int, int], Any] = {}
         self._use_ipc = self._device.type == "cuda" and self._opts.cuda_ipc
         self._spin_s = 0.002 if self._device.type == "cuda" else 0.0  # see _Backoff
@@ -587,6 +588,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
             known = sorted(self._exposed)
             raise ValueError(f"nothing is exposed as {name!r}; exposed: {known}") from None
         reg.pinned -= 1
+        self._prepared.clear()  # cached copy views may hold the released memory
         self._evict()
 
     def exchange_exposed(self) -> dict[int, dict[str, ExposedBuffer]]:
@@ -929,9 +931,10 @@ class NixlRdtCommunicator(DeviceCommunicator):
                 mine = view.reshape(-1).view(torch.uint8)[:n]
                 theirs = mapped[off : off + n]
                 prepared = (mine, theirs, n) if op == "READ" else (theirs, mine, n)
-                if len(self._prepared) >= _MAX_PREPARED:
-                    self._prepared.clear()
-                self._prepared[key] = prepared
+                if self._is_exposed(view):  # kept alive by its exposure anyway: cache the views
+                    if len(self._prepared) >= _MAX_PREPARED:
+                        self._prepared.clear()
+                    self._prepared[key] = prepared
                 copies.append(prepared)
         if copies is not None:
             return self._ipc_copy(op, peer, copies, notify)
@@ -946,6 +949,11 @@ class NixlRdtCommunicator(DeviceCommunicator):
             notif=notif,
             what=f"{what} on rank {peer}",
         )
+
+    def _is_exposed(self, view: torch.Tensor) -> bool:
+        """Whether ``view`` lies in local memory exposed here (registered and pinned)."""
+        reg = self._regs.get((str(view.device), view.untyped_storage().data_ptr()))
+        return reg is not None and reg.pinned > 0
 
     def _ipc_mapping(self, peer: int, remote: ExposedBuffer) -> torch.Tensor | None:
         """The peer's exposed buffer mapped here through CUDA IPC, or None (use NIXL)."""
