@@ -52,6 +52,7 @@ from vllm_dist.tasks.weight_transfer.onesided import (
     poll_message,
     ready_message,
     ring_name,
+    wait_device,
     wait_message,
     wait_read,
 )
@@ -767,6 +768,8 @@ class WeightProducer(_Engine):
                     self._take_done(cid, pair, barrier, block=True)
             elif pair.ring is not None:
                 pair.ring.drain(timeout, f"producer {self.producer_id} -> consumer {cid}")
+        if not self._read:  # sends of a stream-ordered communicator (NCCL) are only queued
+            wait_device(self.communicator.device, timeout, f"producer {self.producer_id}")
 
     def _release(self, barrier: FreeBarrier, opened: dict[int, Mapping[str, torch.Tensor]]) -> None:
         for g in barrier.pop_free():
@@ -1221,6 +1224,7 @@ class WeightConsumer(_Engine):
             wait_or_stall(handles[i], timeout, what)
             if self._direct[i] is None:
                 self._unpack(slots[i], chunk)
+        wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
 
     def _receive_read(self) -> None:
         """Pull every announced chunk in one batched read per producer, up to

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -163,3 +164,20 @@ def device_synchronize(device: torch.device) -> None:
     """Wait for the current stream's copies: a peer must not read bytes still being packed."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def wait_device(device: torch.device, timeout: float, what: str) -> None:
+    """Wait, at most ``timeout`` s, for the work queued on the current stream (asynchronous
+    sends and receives included); ``TransferStallError`` instead of hanging on a dead peer."""
+    if device.type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TransferStallError(
+                f"{what}: device work did not finish within the stall timeout of {timeout} s "
+                "(a peer of an asynchronous transfer is dead or hung)"
+            )
+        time.sleep(20e-6)
