@@ -226,6 +226,7 @@ def run_case(
         max_chunk_bytes=args.chunk_mib << 20,
         ring_slots=args.slots,
         direct_bytes=args.direct_kib << 10,
+        announce_bytes=args.announce_mib << 20,
     )
     # one intra-op thread per worker, as torchrun sets: workers share the cores
     env = {"OMP_NUM_THREADS": str(args.threads)}
@@ -302,6 +303,12 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=64)
     ap.add_argument(
         "--direct-kib", type=int, default=1024, help="items this large travel alone (in place)"
+    )
+    ap.add_argument(
+        "--announce-mib",
+        type=int,
+        default=0,
+        help="TransferConfig.announce_bytes in MiB (0: announce per gather group)",
     )
     ap.add_argument(
         "--hidden",

@@ -432,11 +432,12 @@ def _launch(
     task: type = LlamaTransferTask,
     comm: CommunicatorType = CommunicatorType.TORCH_DISTRIBUTED,
     device: str = "cpu",
+    env: dict[str, str] | None = None,
     **kw: Any,
 ) -> list[dict[str, Any]]:
     if comm == CommunicatorType.NIXL_RDT:
         kw.setdefault("communicator_options", {"timeout": 30.0})
-    return MPLauncher(n, timeout=timeout).launch(
+    return MPLauncher(n, timeout=timeout, env=env).launch(
         task_type=task,
         coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
         communicator_type=comm,
@@ -807,6 +808,36 @@ def test_refused_restart_leaves_the_other_consumers_syncing(shapes: dict[str, An
     assert results[1][:2] == [(0, True), (1, True)]
     assert results[1][2][0] == 2 and "no.such.param" in results[1][2][1]
     assert results[2] == [(1, True), (2, True), (3, True)]  # consumer 1 never noticed
+
+
+@distributed_test(timeout=150)
+def test_read_path_one_announcement_per_sync(shapes: dict[str, Any]) -> None:
+    """announce_bytes above the model and a ring deep enough for a whole sync: every sync is
+    one announcement and one batched read per consumer, still byte-exact."""
+    _needs_nixl()
+    config = TransferConfig(
+        workers_per_replica=2,
+        ring_slots=64,
+        max_chunk_bytes=8192,
+        direct_bytes=4096,
+        announce_bytes=1 << 40,
+    )
+    results = _launch(
+        3,
+        comm=CommunicatorType.NIXL_RDT,
+        num_producers=1,
+        num_consumers=2,
+        syncs=3,
+        shapes=shapes,
+        config=config,
+        env={"VLLM_DIST_WT_TRACE": "1"},
+    )
+    _assert_verified(results, 3)
+    assert summarize(results)["path"] == "read"
+    events = [e for _, e in results[0]["trace"]]  # the producer's last sync
+    assert sum(e.startswith("announce") for e in events) == 2, events  # one per consumer
+    for consumer in results[1:]:
+        assert sum(e.startswith("pull") for _, e in consumer["trace"]) == 1
 
 
 @distributed_test(timeout=120)
