@@ -1344,6 +1344,7 @@ class WeightConsumer(_Engine):
                 staged.discard((chunk.producer, chunk.seq % k))
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+            self._mark(f"unpacked {len(dsts)}")
         if not flight or not all(h.done() for h in flight[0][1]):
             self._report(finished)  # nothing else is ready: let producers reuse their slots
 
