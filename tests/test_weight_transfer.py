@@ -817,7 +817,7 @@ def test_read_path_one_announcement_per_sync(shapes: dict[str, Any]) -> None:
     _needs_nixl()
     config = TransferConfig(
         workers_per_replica=2,
-        ring_slots=64,
+        ring_slots=512,  # 8 KiB slots: more than twice a sync's packed chunks
         max_chunk_bytes=8192,
         direct_bytes=4096,
         announce_bytes=1 << 40,
@@ -835,7 +835,7 @@ def test_read_path_one_announcement_per_sync(shapes: dict[str, Any]) -> None:
     _assert_verified(results, 3)
     assert summarize(results)["path"] == "read"
     events = [e for _, e in results[0]["trace"]]  # the producer's last sync
-    assert sum(e.startswith("announce") for e in events) == 2, events  # one per consumer
+    assert sum(e.startswith("announce") for e in events) == 2, " ".join(events)  # one per consumer
     for consumer in results[1:]:
         assert sum(e.startswith("pull") for _, e in consumer["trace"]) == 1
 

@@ -209,6 +209,8 @@ class _Pair:
     told: set[str] = field(default_factory=set)  # READ: exposed sources this consumer knows
     outbox: list[Any] = field(default_factory=list)  # READ: announcements not yet sent
     outbox_bytes: int = 0  # READ: bytes of the chunks queued since the last announcement
+    outbox_packed: int = 0  # READ: ring slots packed since the last announcement
+    slot_seq: dict[int, int] = field(default_factory=dict)  # READ: slot -> last seq packed
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
@@ -611,6 +613,8 @@ class WeightProducer(_Engine):
         if self._read and self.communicator.device.type == "cuda":
             torch.cuda.synchronize(self.communicator.device)  # the trainer's writes, any stream
         per_group = self.config.announce_bytes == 0
+        for pair in self._pairs.values():
+            pair.slot_seq.clear()  # the last sync drained every slot
         for g, cid, i in self._schedule:
             self._release(barrier, opened)
             if g not in opened:
@@ -677,16 +681,22 @@ class WeightProducer(_Engine):
             pair.outbox.append((self._syncs, chunk.seq, offset, chunk.nbytes, name, desc))
         else:
             k = pair.ring.slots
-            while pair.pending and pair.pending[0][0] <= chunk.seq - k:
+            index = chunk.seq % k
+            last = pair.slot_seq.get(index)  # the last chunk packed into this slot
+            while last is not None and pair.pending and pair.pending[0][0] <= last:
                 self._take_done(cid, pair, barrier, block=True)
-            start = (chunk.seq % k) * pair.slot_bytes
+            pair.slot_seq[index] = chunk.seq
+            start = index * pair.slot_bytes
             slot = pair.ring.buffer[start : start + chunk.nbytes]
             self._pack(slot, pair, chunk, tensors, defer=True)
             pair.outbox.append((self._syncs, chunk.seq, start, chunk.nbytes, None, None))
+            pair.outbox_packed += 1
         pair.pending.append((chunk.seq, chunk.group))
         pair.outbox_bytes += chunk.nbytes
-        if pair.outbox_bytes >= (self.config.announce_bytes or _ANNOUNCE_BYTES):
-            self._announce(pair)  # let the consumer start on what is ready
+        if pair.outbox_bytes >= (
+            self.config.announce_bytes or _ANNOUNCE_BYTES
+        ) or pair.outbox_packed >= max(1, pair.ring.slots // 2):
+            self._announce(pair)  # let the consumer read half the ring while we pack the rest
 
     def _announce(self, pair: _Pair) -> None:
         """Send the pair's queued announcements as one message, once every pack and source
@@ -703,6 +713,7 @@ class WeightProducer(_Engine):
             self.communicator.notify(pair.peer_rank, ready_message(pair.outbox))  # type: ignore[attr-defined]
             pair.outbox = []
         pair.outbox_bytes = 0
+        pair.outbox_packed = 0
 
     def _poll_done(self, barrier: FreeBarrier) -> None:
         """Take every 'done' that has arrived (never waits): frees slots and finished groups."""
