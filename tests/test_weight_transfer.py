@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.utils import distributed_test
+from tests.utils import cuda_device_count, distributed_test
 from vllm_dist import (
     CommunicatorType,
     CoordinatorType,
@@ -761,36 +761,35 @@ class RejoinTask(GlobalCoordinatorDistributedTask):
         return checked
 
 
-@pytest.mark.parametrize("comm", ["torch_distributed", "nixl_rdt"])
-@distributed_test(timeout=150)
-def test_consumer_joins_late_and_restarts(shapes: dict[str, Any], comm: str) -> None:
+_ONE_GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(cuda_device_count() < 1, reason="needs 1 CUDA device"),
+]
+
+
+@pytest.mark.parametrize(
+    "comm, device",
+    [
+        ("torch_distributed", "cpu"),
+        ("nixl_rdt", "cpu"),
+        # all three workers on cuda:0: CUDA IPC reads of the re-exposed rings
+        pytest.param("nixl_rdt", "cuda", marks=_ONE_GPU),
+    ],
+)
+@distributed_test(timeout=240)
+def test_consumer_joins_late_and_restarts(shapes: dict[str, Any], comm: str, device: str) -> None:
     if comm == "nixl_rdt":
         _needs_nixl()
     results = _launch(
         3,
+        timeout=200,
         task=RejoinTask,
         comm=CommunicatorType(comm),
+        device=device,
         shapes=shapes,
         config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
     )
     assert results[0] == ""
-    assert results[1] == [(0, True), (1, True), (2, True), (3, True)]
-    assert results[2] == [(1, True), (2, True), (3, True)]
-
-
-@distributed_test(gpus=1, timeout=240)
-def test_consumer_joins_late_and_restarts_one_gpu(shapes: dict[str, Any]) -> None:
-    """The same on cuda:0 for all three workers (CUDA IPC reads of the re-exposed rings)."""
-    _needs_nixl()
-    results = _launch(
-        3,
-        timeout=200,
-        task=RejoinTask,
-        comm=CommunicatorType.NIXL_RDT,
-        device="cuda",
-        shapes=shapes,
-        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
-    )
     assert results[1] == [(0, True), (1, True), (2, True), (3, True)]
     assert results[2] == [(1, True), (2, True), (3, True)]
 
