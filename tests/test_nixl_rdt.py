@@ -134,6 +134,8 @@ class OneSidedTask(GlobalCoordinatorDistributedTask):
                 assert torch.equal(o.cpu(), want), (name, off, n)
             with pytest.raises(ValueError, match="no buffer named"):
                 comm.read_batch_async(1, [("weights", 0, outs[0]), ("nope", 0, outs[1])])  # type: ignore[attr-defined]
+            # strided views of the remote buffer, read without any pack on its side
+            read_strided_views(comm, dev, ref)
             # one request scattering into the second buffer: a small and a large piece
             u8: dict[str, Any] = {"dtype": torch.uint8, "device": dev}
             comm.write_batch_async(  # type: ignore[attr-defined]
@@ -172,6 +174,54 @@ class OneSidedTask(GlobalCoordinatorDistributedTask):
             comm.broadcast(torch.ones(2, device=dev), src=0)
         self.coordinator.barrier()
         return comm.describe()
+
+
+def read_strided_views(comm: Any, dev: str, ref: torch.Tensor) -> None:
+    """Rank 1's 8 MiB "weights" seen as a 1024 x 4096 int16 matrix; strided reads of it."""
+    matrix = ref.view(torch.int16).view(1024, 4096)
+    mapped = comm.maps_exposed(1, "weights")
+    assert mapped is (comm.maps_peer_memory and dev != "cpu")
+    cols = torch.empty(1024, 1000, dtype=torch.int16, device=dev)  # a column slice: 1024 runs
+    rows = torch.empty(3, 7, 4096, dtype=torch.int16, device=dev)  # 3-D, merges into one run
+    tiny = torch.empty(8, 16, dtype=torch.int16, device=dev)  # a transposed view: element runs
+    comm.read_strided_async(  # type: ignore[attr-defined]
+        1,
+        [
+            ("weights", 2 * 100, (4096, 1), cols),
+            ("weights", 2 * 4096 * 5, (7 * 4096, 4096, 1), rows),
+            ("weights", 2 * 3, (1, 4096), tiny),
+        ],
+    ).wait(timeout=30)
+    assert torch.equal(cols.cpu(), matrix[:, 100:1100])
+    assert torch.equal(rows.cpu(), matrix[5:26].reshape(3, 7, 4096))
+    assert torch.equal(tiny.cpu(), matrix[:16, 3:11].t())
+    # a non-contiguous local tensor: one copy kernel on a mapping, refused through NIXL
+    trans = torch.zeros(1000, 1024, dtype=torch.int16, device=dev).t()
+    request = [("weights", 2 * 100, (4096, 1), trans)]
+    if mapped:
+        comm.read_strided_async(1, request).wait(timeout=30)  # type: ignore[attr-defined]
+        assert torch.equal(trans.cpu(), matrix[:, 100:1100])
+    else:
+        with pytest.raises(ValueError, match="contiguous local tensor"):
+            comm.read_strided_async(1, request)  # type: ignore[attr-defined]
+    for bad, match in [
+        (("weights", 0, (4096,), cols), "do not fit"),
+        (("weights", 1, (4096, 1), cols), "multiple of the element size"),
+        (("weights", 2 * 4096 * 30, (4096, 1), cols), "outside"),
+        (("nope", 0, (4096, 1), cols), "no buffer named"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            comm.read_strided_async(1, [bad])  # type: ignore[attr-defined]
+
+
+def test_strided_runs() -> None:
+    starts, run = nixl_rdt.strided_runs((4, 6), (12, 1), 2)
+    assert starts.tolist() == [0, 24, 48, 72] and run == 12
+    starts, run = nixl_rdt.strided_runs((2, 1, 3, 4), (100, 7, 4, 1), 1)  # (3, 4) is contiguous
+    assert starts.tolist() == [0, 100] and run == 12
+    starts, run = nixl_rdt.strided_runs((3, 2), (1, 3), 4)  # transposed: one element per run
+    assert starts.tolist() == [0, 12, 4, 16, 8, 20] and run == 4
+    assert nixl_rdt.strided_runs((0, 5), (5, 1), 2)[0].size == 0
 
 
 class RepeatTask(GlobalCoordinatorDistributedTask):

@@ -29,8 +29,10 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_tensor(tensor: torch.Tensor, device: torch.device, what: str = "tensor") -> None:
-    """Raise ``ValueError`` for a tensor on the wrong device or not contiguous."""
+def check_tensor(
+    tensor: torch.Tensor, device: torch.device, what: str = "tensor", *, contiguous: bool = True
+) -> None:
+    """Raise ``ValueError`` for a tensor on the wrong device or (``contiguous``) not contiguous."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device != device:
@@ -38,7 +40,7 @@ def check_tensor(tensor: torch.Tensor, device: torch.device, what: str = "tensor
             f"{what} is on {tensor.device} but this communicator moves {device} memory; "
             f"move it with .to({str(device)!r})"
         )
-    if not tensor.is_contiguous():
+    if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{what} is not contiguous; pass tensor.contiguous()")
 
 

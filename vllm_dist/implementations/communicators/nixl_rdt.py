@@ -67,6 +67,28 @@ CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 _READY, _DONE, _ERROR, _USER = b"R", b"D", b"E", b"U"
 _BATCH_COPY_BYTES = 1 << 20  # CUDA IPC pieces below this share one batched copy launch
 _MAX_PREPARED = 1 << 16  # CUDA IPC copy views kept for reuse (a weight sync repeats its reads)
+_MAX_RUNS = 1 << 20  # descriptors one strided read may take through NIXL
+
+
+def strided_runs(
+    size: Sequence[int], stride: Sequence[int], itemsize: int
+) -> tuple[np.ndarray, int]:
+    """(byte offset of each contiguous run, run bytes) of a strided view, in element order.
+
+    The trailing dimensions whose strides make them contiguous merge into one run; every other
+    index combination starts a run. ``(4, 6)`` at strides ``(12, 1)`` (a column slice of a
+    4 x 12 matrix) is 4 runs of 6 elements at 0, 12, 24 and 36 elements.
+    """
+    if any(n == 0 for n in size):
+        return np.zeros(0, dtype=np.int64), 0
+    dims = [(n, s) for n, s in zip(size, stride, strict=True) if n != 1]
+    run = 1
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    starts = np.zeros(1, dtype=np.int64)
+    for n, s in dims:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * s).reshape(-1)
+    return starts * itemsize, run * itemsize
 
 
 class NixlTransferError(RuntimeError):
@@ -693,6 +715,96 @@ class NixlRdtCommunicator(DeviceCommunicator):
             None,
         )
 
+    def read_strided_async(
+        self, peer: int, requests: Sequence[tuple[str, int, Sequence[int], torch.Tensor]]
+    ) -> NixlTransfer:
+        """Start one READ of strided views of ``peer``'s exposed buffers into local tensors.
+
+        Each request is ``(remote name, remote byte offset, remote strides, local tensor)``: the
+        remote view has the local tensor's shape and dtype and those strides (in elements) from
+        that offset, and lands in ``local`` element by element, whatever either layout. So a
+        consumer reads a column slice of a peer's weight, or a transposed one, with nothing
+        packed on the peer. On a CUDA IPC mapping (``maps_peer_memory``) each request is one copy
+        kernel, any layout on either side. Through NIXL the remote view is cut into its
+        contiguous runs, one descriptor each (``local`` must then be contiguous, and the runs
+        should be long: a row of a weight, not an element).
+
+        Raises:
+            ValueError: unknown buffer, strides that do not match the shape, an offset that is
+                not a multiple of the element size, a view reaching outside the buffer, or (NIXL
+                path) a non-contiguous local tensor or more than ``_MAX_RUNS`` runs.
+        """
+        self._check_peer(peer)
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if self._use_ipc else None
+        checked = []
+        for i, (remote_name, off, stride, local) in enumerate(requests):
+            remote = self._remote_buffer(peer, remote_name)
+            check_tensor(local, self._device, f"local[{i}]", contiguous=False)
+            size, stride = tuple(local.shape), tuple(int(s) for s in stride)
+            item = local.element_size()
+            if len(stride) != len(size) or any(s < 0 for s in stride):
+                raise ValueError(
+                    f"request {i}: strides {stride} do not fit a view of shape {size} (one "
+                    "non-negative stride per dimension)"
+                )
+            if off < 0 or off % item:
+                raise ValueError(
+                    f"request {i}: remote offset {off} is not a multiple of the element size "
+                    f"{item} of {local.dtype}"
+                )
+            extent = (
+                0
+                if local.numel() == 0
+                else item * (1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True)))
+            )
+            if off + extent > remote.nbytes:
+                raise ValueError(
+                    f"request {i}: the remote view [{off}, {off + extent}) reaches outside "
+                    f"{remote_name!r} ({remote.nbytes} bytes) on rank {peer}"
+                )
+            checked.append((remote, off, stride, local, extent))
+            mapped = None if copies is None else self._ipc_mapping(peer, remote)
+            if mapped is None:
+                copies = None
+            elif copies is not None and extent:
+                theirs = mapped[off : off + extent].view(local.dtype).as_strided(size, stride)
+                copies.append((local, theirs, extent))
+        if copies is not None:
+            return self._ipc_copy("READ", peer, copies, None)
+        pieces: list[tuple[torch.Tensor, int, int, ExposedBuffer]] = []
+        for i, (remote, off, stride, local, extent) in enumerate(checked):
+            if not extent:
+                continue
+            if not local.is_contiguous():
+                raise ValueError(
+                    f"request {i}: a strided read through NIXL needs a contiguous local tensor "
+                    f"(shape {tuple(local.shape)}, strides {local.stride()}); read into a "
+                    "contiguous buffer and copy from it"
+                )
+            starts, run = strided_runs(tuple(local.shape), stride, local.element_size())
+            if len(starts) > _MAX_RUNS:
+                raise ValueError(
+                    f"request {i}: the remote view has {len(starts)} contiguous runs of {run} "
+                    f"bytes (at most {_MAX_RUNS}); pack it on the owner's side instead"
+                )
+            flat = local.reshape(-1).view(torch.uint8)
+            pieces.extend(
+                (flat[k * run : (k + 1) * run], off + s, run, remote)
+                for k, s in enumerate(starts.tolist())
+            )
+        return self._post_pieces("READ", peer, pieces, None)
+
+    @property
+    def maps_peer_memory(self) -> bool:
+        """Whether one-sided transfers with same-node VRAM peers run as copy kernels on a CUDA
+        IPC mapping, where a strided view costs what its bytes cost (``read_strided_async``)."""
+        return self._use_ipc
+
+    def maps_exposed(self, peer: int, remote_name: str) -> bool:
+        """Whether ``peer``'s exposed buffer ``remote_name`` is mapped here (see above)."""
+        self._check_peer(peer)
+        return self._ipc_mapping(peer, self._remote_buffer(peer, remote_name)) is not None
+
     def write_batch_async(
         self,
         peer: int,
@@ -897,17 +1009,10 @@ class NixlRdtCommunicator(DeviceCommunicator):
     ) -> NixlTransfer:
         """One request over ``(remote name, remote offset, local view, nbytes)`` pieces."""
         self._check_peer(peer)
-        known = self._remote_exposed.get(peer, {})
         pieces: list[tuple[torch.Tensor, int, int, ExposedBuffer]] = []
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if self._use_ipc else None
         for i, (remote_name, off, view, n) in enumerate(requests):
-            remote = known.get(remote_name)
-            if remote is None:
-                raise ValueError(
-                    f"rank {peer} has exposed no buffer named {remote_name!r} that this worker "
-                    f"knows (known: {sorted(known)}); call exchange_exposed() or "
-                    "import_exposed() first"
-                )
+            remote = self._remote_buffer(peer, remote_name)
             check_tensor(view, self._device, f"local[{i}]")
             key = (peer, op, remote_name, remote.addr, off, n, view.data_ptr())
             hit = self._prepared.get(key)
@@ -938,6 +1043,27 @@ class NixlRdtCommunicator(DeviceCommunicator):
                 copies.append(prepared)
         if copies is not None:
             return self._ipc_copy(op, peer, copies, notify)
+        return self._post_pieces(op, peer, pieces, notify)
+
+    def _remote_buffer(self, peer: int, remote_name: str) -> ExposedBuffer:
+        known = self._remote_exposed.get(peer, {})
+        remote = known.get(remote_name)
+        if remote is None:
+            raise ValueError(
+                f"rank {peer} has exposed no buffer named {remote_name!r} that this worker "
+                f"knows (known: {sorted(known)}); call exchange_exposed() or "
+                "import_exposed() first"
+            )
+        return remote
+
+    def _post_pieces(
+        self,
+        op: str,
+        peer: int,
+        pieces: Sequence[tuple[torch.Tensor, int, int, ExposedBuffer]],
+        notify: bytes | None,
+    ) -> NixlTransfer:
+        """One NIXL request over ``(local view, remote offset, nbytes, remote buffer)``."""
         names = sorted({p[3].name for p in pieces})
         what = f"{op} of {', '.join(map(repr, names[:3]))}{' ...' if len(names) > 3 else ''}"
         notif = b"" if notify is None else _USER + bytes(notify)
