@@ -839,6 +839,80 @@ def test_read_path_one_announcement_per_sync(shapes: dict[str, Any]) -> None:
         assert sum(e.startswith("pull") for _, e in consumer["trace"]) == 1
 
 
+class FlatRowParallelTask(LlamaTransferTask):
+    """Consumers keep ``o_proj`` flattened: their loader reshapes a column slice, so the op
+    chain the producer replays makes a copy, which must hold fresh bytes every sync."""
+
+    def make_consumer(self, consumer_idx: int, num_consumers: int, **kw: Any) -> Any:
+        spec = super().make_consumer(consumer_idx, num_consumers, **kw)
+        rank = consumer_idx % 2
+        for name, param in list(spec.params.items()):
+            if name.endswith("o_proj.weight"):
+                flat = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
+                spec.params[name] = flat
+
+                def load(dest: Any, src: Any, rank: int = rank) -> None:
+                    dest.copy_(src.chunk(2, dim=1)[rank].reshape(-1))
+
+                self._routes[name] = [(name, load)]
+        return spec
+
+
+@pytest.mark.parametrize("comm", ["torch_distributed", "nixl_rdt"])
+@distributed_test(timeout=150)
+def test_chains_that_copy_are_replayed_every_sync(shapes: dict[str, Any], comm: str) -> None:
+    if comm == "nixl_rdt":
+        _needs_nixl()
+    config = TransferConfig(workers_per_replica=2, direct_bytes=4096, strided_reads=None)
+    results = _launch(
+        3,
+        task=FlatRowParallelTask,
+        comm=CommunicatorType(comm),
+        num_producers=1,
+        num_consumers=2,
+        syncs=3,
+        shapes=shapes,
+        config=config,
+    )
+    _assert_verified(results, 3)
+
+
+def _strided_vs_packed(shapes: dict[str, Any], device: str, strided: bool | None) -> list[Any]:
+    """The same fleet with strided reads off and then ``strided``; both byte-exact."""
+    runs = []
+    for mode in (False, strided):
+        config = TransferConfig(
+            workers_per_replica=2, direct_bytes=4096, announce_bytes=1 << 40, ring_slots=64,
+            strided_reads=mode,
+        )  # fmt: skip
+        results = _launch(
+            3,
+            timeout=240,
+            comm=CommunicatorType.NIXL_RDT,
+            device=device,
+            num_producers=1,
+            num_consumers=2,
+            syncs=3,
+            shapes=shapes,
+            config=config,
+        )
+        _assert_verified(results, 3)
+        assert summarize(results)["path"] == "read"
+        runs.append(results)
+    return runs
+
+
+@distributed_test(timeout=150)
+def test_read_path_strided_reads_skip_the_producer_pack_cpu(shapes: dict[str, Any]) -> None:
+    """strided_reads=True through NIXL on DRAM: row-parallel slices are read in place (one
+    descriptor per row) instead of packed; the producer packs fewer chunks, bytes are exact."""
+    _needs_nixl()
+    packed, strided = _strided_vs_packed(shapes, "cpu", True)
+    first, last = packed[0]["syncs"], strided[0]["syncs"]
+    assert first[0]["packed"] == last[0]["packed"]  # sync 1: no source is exposed yet
+    assert last[-1]["packed"] < first[-1]["packed"], (first, last)
+
+
 @distributed_test(timeout=120)
 def test_read_path_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]) -> None:
     _needs_nixl()
@@ -877,3 +951,14 @@ def test_read_path_nixl_one_gpu_producer_and_two_tp2_consumers(shapes: dict[str,
     )
     _assert_verified(results, 3)
     assert summarize(results)["path"] == "read"
+
+
+@distributed_test(gpus=1, timeout=400)
+def test_read_path_strided_reads_one_gpu(shapes: dict[str, Any]) -> None:
+    """Auto strided reads on one GPU (CUDA IPC): after the first sync nothing one-item is
+    packed or unpacked — each weight is one copy from the producer's tensor into the
+    consumer's parameter, transposed layouts included — and every byte is exact."""
+    _needs_nixl()
+    packed, strided = _strided_vs_packed(shapes, "cuda", None)
+    for role in range(3):
+        assert strided[role]["syncs"][-1]["packed"] < packed[role]["syncs"][-1]["packed"]

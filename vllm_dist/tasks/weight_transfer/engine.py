@@ -45,6 +45,7 @@ from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.onesided import (
     OneSidedCommunicator,
+    StridedReadCommunicator,
     device_synchronize,
     done_message,
     parse_done,
@@ -123,6 +124,11 @@ class TransferConfig:
             1 ms measured on an H200).
         transport: ``"auto"`` (one-sided READ where the communicator offers it, else
             send/recv), ``"read"`` (refuse a communicator without READ) or ``"send_recv"``.
+        strided_reads: READ path. Consumers read non-contiguous source views (row-parallel
+            slices) in place, straight into their parameters, instead of producers packing
+            them (see ``onesided.py``). None (auto): where the consumer's communicator maps its
+            peers' memory (CUDA IPC on one node). True: also through NIXL, one descriptor per
+            contiguous run (a weight row). False: never.
     """
 
     ring_slots: int = 2
@@ -134,6 +140,7 @@ class TransferConfig:
     direct_bytes: int = 1 << 20
     announce_bytes: int = 0
     transport: str = "auto"
+    strided_reads: bool | None = None
 
     def __post_init__(self) -> None:
         self.layout()  # validates the layout fields
@@ -184,6 +191,7 @@ class SyncStats:
     bytes: int
     chunks: int
     path: str
+    packed: int = 0  # chunks that went through a pack copy (producer) or an unpack (consumer)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -191,6 +199,7 @@ class SyncStats:
             "bytes": self.bytes,
             "chunks": self.chunks,
             "path": self.path,
+            "packed": self.packed,
         }
 
 
@@ -207,6 +216,7 @@ class _Pair:
     names: list[str] = field(default_factory=list)  # producer side: the name of each item
     remote_name: str = ""  # READ path: the producer's exposed ring for this pair
     told: set[str] = field(default_factory=set)  # READ: exposed sources this consumer knows
+    strided: bool = False  # READ: the consumer reads strided source views in place
     outbox: list[Any] = field(default_factory=list)  # READ: announcements not yet sent
     outbox_bytes: int = 0  # READ: bytes of the chunks queued since the last announcement
     outbox_packed: int = 0  # READ: ring slots packed since the last announcement
@@ -264,6 +274,7 @@ class _Engine:
         )
         self._phase_start = time.perf_counter()
         self._exposed: list[str] = []
+        self._packed = 0  # this sync's pack (producer) or unpack (consumer) copies, in chunks
 
     @property
     def path(self) -> str:
@@ -456,7 +467,7 @@ class WeightProducer(_Engine):
     def _accept(
         self, cid: int, crank: int, index: ModelIndex, plan_msg: Any, reserve_msg: Any
     ) -> None:
-        verb, sender, payload, path = plan_msg
+        verb, sender, payload, path, strided = plan_msg
         if verb != "plan" or sender != cid:
             raise RuntimeError(f"expected a plan from consumer {cid}, got {verb!r} from {sender}")
         if isinstance(payload, str):  # the consumer failed its own set-up
@@ -485,6 +496,7 @@ class WeightProducer(_Engine):
         self._compare(cid, chunks, digest, reserve_msg)
         slot = slot_bytes(chunks, self.producer_id, self.layout.align)
         pair = _Pair(peer_rank=crank, chunks=chunks, requests=[], slot_bytes=slot, names=names)
+        pair.strided = self._read and strided is True
         items = _item_table([Request("", *k) for k in kinds])
         prefixes = _shared_splits([Request("", *k) for k in kinds], 0)
         id_list = ids.tolist()
@@ -606,6 +618,7 @@ class WeightProducer(_Engine):
         if begin is not None:
             begin()
         self._syncs += 1
+        self._packed = 0
         barrier = FreeBarrier(self._group_counts)
         serve = self._serve_read if self._read else self._serve_push
         opened: dict[int, Mapping[str, torch.Tensor]] = {}
@@ -641,6 +654,7 @@ class WeightProducer(_Engine):
             bytes=moved,
             chunks=len(self._schedule),
             path=self.path,
+            packed=self._packed,
         )
 
     def _serve_push(
@@ -677,8 +691,8 @@ class WeightProducer(_Engine):
         assert pair.ring is not None
         exposed = self._exposed_source(pair, chunk, tensors)
         if exposed is not None:
-            name, offset, desc = exposed
-            pair.outbox.append((self._syncs, chunk.seq, offset, chunk.nbytes, name, desc))
+            name, offset, desc, strides = exposed
+            pair.outbox.append((self._syncs, chunk.seq, offset, chunk.nbytes, name, desc, strides))
         else:
             k = pair.ring.slots
             index = chunk.seq % k
@@ -689,7 +703,7 @@ class WeightProducer(_Engine):
             start = index * pair.slot_bytes
             slot = pair.ring.buffer[start : start + chunk.nbytes]
             self._pack(slot, pair, chunk, tensors, defer=True)
-            pair.outbox.append((self._syncs, chunk.seq, start, chunk.nbytes, None, None))
+            pair.outbox.append((self._syncs, chunk.seq, start, chunk.nbytes, None, None, None))
             pair.outbox_packed += 1
         pair.pending.append((chunk.seq, chunk.group))
         pair.outbox_bytes += chunk.nbytes
@@ -723,22 +737,26 @@ class WeightProducer(_Engine):
 
     def _exposed_source(
         self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
-    ) -> tuple[str, int, Any] | None:
-        """(buffer name, byte offset, descriptor if new) of a one-item chunk read in place.
+    ) -> tuple[str, int, Any, tuple[int, ...] | None] | None:
+        """(buffer name, byte offset, descriptor if new, strides) of a one-item chunk read in
+        place; strides are None for a contiguous view, else the view's (strided reads).
 
-        Only a contiguous source whose storage was already there last sync is exposed (a
-        trainer that gathers into fresh memory every sync gets packed copies instead of an
-        ever-growing set of registrations); it stays exposed until ``close``.
+        Only a view of the source's own storage (not a copy the chain made) whose storage was
+        already there last sync is exposed (a trainer that gathers into fresh memory every sync
+        gets packed copies instead of an ever-growing set of registrations); it stays exposed
+        until ``close``.
         """
         if len(chunk.items) != 1:
             return None
         srcs = self._sources(pair, chunk, tensors)
         plan = pair.views[chunk.index]
         if plan.inplace is not None and plan.inplace[0] is srcs:
-            return plan.inplace[1], plan.inplace[2], None  # same source objects as last sync
+            return plan.inplace[1], plan.inplace[2], None, plan.inplace[3]  # as last sync
         view = srcs[0]
-        if not view.is_contiguous():
+        contiguous = view.is_contiguous()
+        if plan.copies or not (contiguous or pair.strided):
             return None
+        strides = None if contiguous else tuple(view.stride())
         storage = view.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         offset = view.data_ptr() - key[0]
@@ -754,11 +772,11 @@ class WeightProducer(_Engine):
             self._exposed.append(name)
             known = self._source_names[key] = (name, desc)
         name, desc = known
-        plan.inplace = (srcs, name, offset)
+        plan.inplace = (srcs, name, offset, strides)
         if name in pair.told:
-            return name, offset, None
+            return name, offset, None, strides
         pair.told.add(name)  # this consumer imports the descriptor once
-        return name, offset, desc
+        return name, offset, desc, strides
 
     def _take_done(self, cid: int, pair: _Pair, barrier: FreeBarrier, *, block: bool) -> bool:
         """Consume one 'done up to seq' from consumer ``cid`` (waiting for it when ``block``)."""
@@ -821,6 +839,7 @@ class WeightProducer(_Engine):
         defer: bool = False,
     ) -> None:
         """Copy the chunk's items into its slot; ``defer``: queue the copies for ``_announce``."""
+        self._packed += 1
         plan = pair.views[chunk.index]
         if plan.dsts is None:  # the slot of a chunk never moves: build its views once
             plan.dsts = [
@@ -842,7 +861,8 @@ class WeightProducer(_Engine):
         objs = [tensors[n] for n in plan.names]
         ptrs = [t.data_ptr() for t in objs]  # a ``p.data = ...`` swap keeps the object
         if (
-            plan.objs is None
+            plan.copies
+            or plan.objs is None
             or not all(map(operator.is_, objs, plan.objs))
             or not all(map(operator.eq, ptrs, plan.ptrs))
         ):
@@ -850,6 +870,12 @@ class WeightProducer(_Engine):
             plan.srcs = [views(t, c) for t, c in zip(objs, plan.prefixes, strict=True)]
             plan.objs = objs
             plan.ptrs = ptrs
+            # a chain that copies (reshape of a non-contiguous view) gives fresh bytes each
+            # sync: such views are rebuilt every time, never cached or read in place
+            plan.copies = any(
+                s.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+                for s, t in zip(plan.srcs, objs, strict=True)
+            )
         assert plan.srcs is not None
         return plan.srcs
 
@@ -864,7 +890,9 @@ class _PackPlan:
     objs: list[torch.Tensor] | None = None  # the source tensors ``srcs`` were built from
     srcs: list[torch.Tensor] | None = None
     ptrs: list[int] = field(default_factory=list)  # data pointers of ``objs``
-    inplace: tuple[list[torch.Tensor], str, int] | None = None  # (srcs, exposed name, offset)
+    # (srcs, exposed name, byte offset, strides or None): the chunk is read in place
+    inplace: tuple[list[torch.Tensor], str, int, tuple[int, ...] | None] | None = None
+    copies: bool = False  # a prefix chain copies: ``srcs`` are fresh every sync
 
 
 _MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
@@ -926,6 +954,14 @@ class _ShapeCache:
         return hit[1], hit[2]
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view (what travels on the wire)."""
     return t.reshape(-1).view(torch.uint8)
@@ -978,6 +1014,20 @@ class WeightConsumer(_Engine):
         self._dests: list[torch.Tensor] = []
         self._unpack_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.bake_seconds = 0.0
+        want = self.config.strided_reads
+        capable = self._read and isinstance(communicator, StridedReadCommunicator)
+        if want and not capable:
+            raise ValueError(
+                "TransferConfig(strided_reads=True) needs the one-sided READ path with a "
+                f"communicator that reads strided views (read_strided_async); "
+                f"{type(communicator).__name__} on the {self.path!r} path has none: leave "
+                "strided_reads=None (auto) or use NIXL_RDT"
+            )
+        self._strided = capable and (
+            want is True or (want is None and bool(communicator.maps_peer_memory))  # type: ignore[attr-defined]
+        )
+        # chunk index -> ((source, offset, strides) it was last read from, how): see ``_route``
+        self._routes: dict[int, tuple[Any, tuple[str, int, Any, torch.Tensor, bool]]] = {}
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self, *, defer: bool = False) -> None:
@@ -1179,7 +1229,9 @@ class WeightConsumer(_Engine):
                 digests[p] = plan_digest(
                     self.consumer_id, p, self.chunks, payload, router, self.layout
                 )
-            self.coordinator.send_object(("plan", self.consumer_id, payload, self.path), prank)
+            self.coordinator.send_object(
+                ("plan", self.consumer_id, payload, self.path, self._strided), prank
+            )
             reserve[p] = slot_bytes(self.chunks, p, self.layout.align) * self.layout.ring_slots
         router.reserve_serve_buffers(reserve, digests)
 
@@ -1208,6 +1260,7 @@ class WeightConsumer(_Engine):
         self._items = _item_table(self.requests)
         self._suffixes = _shared_splits(self.requests, 1)
         self._direct = [self._direct_dest(c) for c in self.chunks]
+        self._announced_as: list[Any] = [None] * len(self.chunks)  # this sync's announcements
         self._targets: list[torch.Tensor | None] = [None] * len(self.chunks)
         k = self.layout.ring_slots
         last: dict[tuple[int, int], int] = {}
@@ -1225,6 +1278,7 @@ class WeightConsumer(_Engine):
             self.trace.clear()
         self._mark("sync")
         self._syncs += 1
+        self._packed = 0
         if self._read:
             self._receive_read()
         else:
@@ -1234,6 +1288,7 @@ class WeightConsumer(_Engine):
             bytes=sum(c.nbytes for c in self.chunks),
             chunks=len(self.chunks),
             path=self.path,
+            packed=self._packed,
         )
 
     def _receive_push(self) -> None:
@@ -1268,15 +1323,15 @@ class WeightConsumer(_Engine):
             announcements: list[Any] = []
             while nxt < n and len(flight) < _BATCHES_IN_FLIGHT:
                 chunk = self.chunks[nxt]
-                slot = (chunk.producer, chunk.seq % k)
-                if self._direct[nxt] is None and slot in staged:
-                    break  # that staging slot's bytes are not unpacked yet
                 if not self._announced(chunk, inbox, block=not flight and not batch):
                     break
+                slot = (chunk.producer, chunk.seq % k)
+                if self._staged(nxt, inbox[chunk.producer][0]):
+                    if slot in staged:
+                        break  # that staging slot's bytes are not unpacked yet
+                    staged.add(slot)
                 announcements.append(inbox[chunk.producer].popleft())
                 batch.append(nxt)
-                if self._direct[nxt] is None:
-                    staged.add(slot)
                 nxt += 1
             if batch:
                 self._mark(f"pull x{len(batch)}")
@@ -1305,14 +1360,21 @@ class WeightConsumer(_Engine):
                 if msg is None:
                     return False
             assert msg is not None
-            queue.extend(parse_ready(msg, what))
+            announced = parse_ready(msg, what)
+            for ann in announced:
+                if ann[5] is not None:  # a source exposed for us: addressable from now on
+                    self.communicator.import_exposed(ann[5])  # type: ignore[attr-defined]
+            queue.extend(announced)
         return True
 
     def _pull(self, batch: list[int], announcements: list[Any]) -> list[Any]:
         """Start one read per producer over the batch's chunks; returns the handles."""
         comm: Any = self.communicator
         by_producer: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
-        for j, (sync, seq, offset, nbytes, source, desc) in zip(batch, announcements, strict=True):
+        strided: dict[int, list[tuple[str, int, Any, torch.Tensor]]] = {}
+        for j, ann in zip(batch, announcements, strict=True):
+            self._announced_as[j] = ann
+            sync, seq, offset, nbytes, source, _desc, _strides = ann
             chunk = self.chunks[j]
             if (sync, seq, nbytes) != (self._syncs, chunk.seq, chunk.nbytes):
                 raise RuntimeError(
@@ -1320,14 +1382,63 @@ class WeightConsumer(_Engine):
                     f"(sync, seq, nbytes) {(sync, seq, nbytes)}, expected "
                     f"{(self._syncs, chunk.seq, chunk.nbytes)}"
                 )
-            if desc is not None:
-                comm.import_exposed(desc)
+            route = self._route(j, ann)
+            if route is not None:
+                strided.setdefault(chunk.producer, []).append(route[:4])
+                continue
             remote = self._pairs[chunk.producer].remote_name if source is None else source
             by_producer.setdefault(chunk.producer, []).append((remote, offset, self._target(j)))
-        return [
+        handles = [
             comm.read_batch_async(self._pairs[p].peer_rank, requests)
             for p, requests in by_producer.items()
         ]
+        handles += [
+            comm.read_strided_async(self._pairs[p].peer_rank, requests)
+            for p, requests in strided.items()
+        ]
+        return handles
+
+    def _staged(self, j: int, ann: Any) -> bool:
+        """Whether chunk ``j``, announced as ``ann``, lands in its staging slot (then unpacks)."""
+        route = self._route(j, ann)
+        return self._direct[j] is None if route is None else not route[4]
+
+    def _route(self, j: int, ann: Any) -> tuple[str, int, Any, torch.Tensor, bool] | None:
+        """A strided read for chunk ``j`` read in place: (source, byte offset, strides, local,
+        lands in the parameter). None: a plain byte read (packed bytes, or contiguous bytes
+        into a contiguous parameter, or no strided reads here).
+
+        With a mapping of the producer's memory the read goes through the consumer's own
+        re-layout (transpose) straight into the parameter when that is a view of the same
+        dtype; otherwise it lands, as the wire bytes, in the chunk's staging slot.
+        """
+        source, strides = ann[4], ann[6]
+        if source is None or not (
+            strides is not None or (self._strided and self._direct[j] is None)
+        ):
+            return None
+        key = (source, ann[2], strides)
+        hit = self._routes.get(j)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        chunk = self.chunks[j]
+        i = chunk.items[0]
+        dtype, wire, nbytes = self._items[i]
+        dest = self._dests[i]
+        wire_strides = strides if strides is not None else _contiguous_strides(wire)
+        offset = ann[2]
+        geo = None
+        peer = self._pairs[chunk.producer].peer_rank
+        if dest.dtype == dtype and self.communicator.maps_exposed(peer, source):  # type: ignore[attr-defined]
+            geo = self._views.geometry(wire, wire_strides, dtype, self._suffixes[i])
+        if geo is not None and geo[0] == tuple(dest.shape):
+            _size, view_strides, delta = geo
+            route = (source, offset + delta * dest.element_size(), view_strides, dest, True)
+        else:
+            staging = self._target(j)[:nbytes].view(dtype).view(wire)
+            route = (source, offset, wire_strides, staging, self._direct[j] is not None)
+        self._routes[j] = (key, route)
+        return route
 
     def _complete(
         self,
@@ -1348,7 +1459,8 @@ class WeightConsumer(_Engine):
         for j in batch:
             chunk = self.chunks[j]
             finished[chunk.producer] = chunk.seq
-            if self._direct[j] is None:
+            if self._staged(j, self._announced_as[j]):
+                self._packed += 1
                 views = self._unpack_plan(j)
                 dsts += views[0]
                 srcs += views[1]
@@ -1401,6 +1513,7 @@ class WeightConsumer(_Engine):
         return None
 
     def _unpack(self, slot: torch.Tensor, chunk: Chunk) -> None:
+        self._packed += 1
         torch._foreach_copy_(*self._unpack_plan(chunk.index, slot))
 
     def _unpack_plan(

@@ -2,10 +2,17 @@
 
 A producer exposes every serve ring once at set-up; everyone exchanges the descriptors. Each
 sync, the producer announces every chunk to its consumer as ``(sync, seq, offset, nbytes,
-source, descriptor)``: a one-item chunk whose source view is contiguous and whose storage was
-there last sync is read *in place* (its storage is exposed once, the descriptor rides along with
-the first announcement to each consumer, and nothing is packed); any other chunk is packed into
-ring slot ``seq % K`` once the slot's last reader is done. Announcements are batched until the
+source, descriptor, strides)``: a one-item chunk whose source view is contiguous and whose
+storage was there last sync is read *in place* (its storage is exposed once, the descriptor
+rides along with the first announcement to each consumer, and nothing is packed); any other
+chunk is packed into ring slot ``seq % K`` once the slot's last reader is done.
+
+Strided reads. A consumer whose communicator maps its peers' memory (``StridedReadCommunicator``:
+CUDA IPC on one node) asks for them at set-up. Its producers then announce non-contiguous views
+(the row-parallel slice of a weight) in place too, with their strides, and the consumer copies
+each straight from the producer's weight into its parameter — through its own re-layout
+(a transpose) where that is a view — with one copy kernel: no pack on the producer, no staging
+and no unpack on the consumer, a third of the memory traffic of pack, read and unpack. Announcements are batched until the
 next group, the next wait, or ``_ANNOUNCE_BYTES`` of queued chunks, and one device
 synchronization covers every pack behind them, so a layer costs one message, not one per weight.
 
@@ -90,12 +97,34 @@ class OneSidedCommunicator(Protocol):
     def wait_notification(self, peer: int, timeout: float | None = None) -> bytes: ...
 
 
+@runtime_checkable
+class StridedReadCommunicator(Protocol):
+    """What lets a consumer read a producer's weight slice in place, with no pack (optional).
+
+    ``read_strided_async`` reads ``(remote name, byte offset, remote strides, local)`` views:
+    the remote view has ``local``'s shape and dtype and those element strides. ``maps_peer_memory``
+    says whether such reads run on a mapping of the peer's memory (a strided view then costs
+    what its bytes cost), ``maps_exposed(peer, name)`` whether one exposed buffer is mapped here.
+    """
+
+    @property
+    def maps_peer_memory(self) -> bool: ...
+
+    def maps_exposed(self, peer: int, remote_name: str) -> bool: ...
+
+    def read_strided_async(
+        self, peer: int, requests: Sequence[tuple[str, int, Sequence[int], torch.Tensor]]
+    ) -> ReadHandle: ...
+
+
 _DONE = struct.Struct("<cqq")  # b"D", sync, seq: every chunk of the pair up to seq is read
 
-Announcement = tuple[int, int, int, int, "str | None", Any]
-"""(sync, seq, offset, nbytes, source, descriptor): chunk ``seq`` is ready at byte ``offset`` of
-the pair's ring (``source`` None) or of the exposed buffer ``source``, whose descriptor travels
-along the first time (else None)."""
+Announcement = tuple[int, int, int, int, "str | None", Any, "tuple[int, ...] | None"]
+"""(sync, seq, offset, nbytes, source, descriptor, strides): chunk ``seq`` is ready at byte
+``offset`` of the pair's ring (``source`` None) or of the exposed buffer ``source``, whose
+descriptor travels along the first time (else None). ``strides``: None for packed bytes, else
+the element strides of the producer's view there (a one-item chunk read in place, strided where
+the consumer asked for strided reads)."""
 
 
 def ring_name(producer_id: int, consumer_id: int) -> str:
