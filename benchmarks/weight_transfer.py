@@ -2,10 +2,13 @@
 
 Question: how much of the data path's bandwidth does a weight sync keep, and how long does
 set-up take? One producer holds a synthetic bf16 Llama-shaped model (real HF names; the hidden
-size of a real model of that size unless ``--hidden`` says otherwise) and ``--consumers`` TP-2 consumers load it the way an inference engine does (fused
-QKV / gate-up, row-parallel o / down, vocab-parallel embeddings). In the same launch, after the
-syncs, the producer sends every consumer the same number of bytes as plain ``send``/``recv`` of
-one preallocated tensor each (concurrently, like the engine): that is the raw p2p baseline.
+size of a real model of that size unless ``--hidden`` says otherwise) and ``--consumers`` TP-2
+consumers load it the way an inference engine does (fused QKV / gate-up, row-parallel o / down,
+vocab-parallel embeddings; ``--layout transposed`` stores down_proj transposed). In the same
+launch, after the syncs, every consumer moves the same number of bytes with the communicator's
+own transfer of one preallocated tensor (a one-sided READ when the sync used the READ path,
+else ``send``/``recv``, all consumers at once): that is the raw p2p baseline. The weights change
+before the first and the last sync; both are checked byte for byte unless ``--no-verify``.
 A many-tensors case (``--many``: 100,000 small expert tensors, like a large MoE) measures
 set-up (bake + plan) time and per-sync overhead with many names.
 
@@ -124,7 +127,9 @@ def fast_fill(state: dict[str, torch.Tensor], step: int) -> None:
 
 
 class BenchTask(WeightTransferTask):
-    """Synthetic model; verifies the first sync; measures raw p2p for the same bytes."""
+    """Synthetic model; verifies the first and the last sync (the weights change in between,
+    and the last sync runs the steady-state path: sources read in place); measures raw p2p
+    for the same bytes."""
 
     def make_source(
         self, producer_idx: int, num_producers: int, shapes: Any = None, **_: Any
@@ -133,16 +138,28 @@ class BenchTask(WeightTransferTask):
         self._state = {n: torch.zeros(s, dtype=d, device=dev) for n, (s, d) in shapes.items()}
         return StateDictSource(self._state)
 
-    def before_producer_sync(self, step: int, source: WeightSource, **_: Any) -> None:
-        if step == 0:
-            fast_fill(self._state, 0)
+    def before_producer_sync(
+        self, step: int, source: WeightSource, syncs: int = 1, **_: Any
+    ) -> None:
+        if step in (0, syncs - 1):  # new weights for the first and the last (timed) sync
+            fast_fill(self._state, step)
         self.coordinator.barrier()
 
     def make_consumer(
-        self, consumer_idx: int, num_consumers: int, shapes: Any = None, moe: bool = False, **_: Any
+        self,
+        consumer_idx: int,
+        num_consumers: int,
+        shapes: Any = None,
+        moe: bool = False,
+        transposed_down: bool = False,
+        **_: Any,
     ) -> ConsumerSpec:
-        layout = moe_layout if moe else llama_tp_layout
-        params, routes = layout(shapes, consumer_idx % 2, 2, self.device)
+        if moe:
+            params, routes = moe_layout(shapes, consumer_idx % 2, 2, self.device)
+        else:
+            params, routes = llama_tp_layout(
+                shapes, consumer_idx % 2, 2, self.device, transposed_down=transposed_down
+            )
         self._routes, self._shapes = routes, shapes
         return ConsumerSpec(params=params, route=lambda n: routes.get(n, []))
 
@@ -150,12 +167,12 @@ class BenchTask(WeightTransferTask):
         self.coordinator.barrier()
 
     def after_consumer_sync(
-        self, step: int, spec: ConsumerSpec, verify: bool = True, **_: Any
+        self, step: int, spec: ConsumerSpec, verify: bool = True, syncs: int = 1, **_: Any
     ) -> Any:
-        if step != 0 or not verify:
+        if step not in (0, syncs - 1) or not verify:
             return None
         full = {n: torch.zeros(s, dtype=d) for n, (s, d) in self._shapes.items()}
-        fast_fill(full, 0)
+        fast_fill(full, step)
         want = expected_params(spec.params, self._routes, full)
         return all(tensor_digest(t) == tensor_digest(want[n]) for n, t in spec.params.items())
 
@@ -227,6 +244,7 @@ def run_case(
         ring_slots=args.slots,
         direct_bytes=args.direct_kib << 10,
         announce_bytes=args.announce_mib << 20,
+        strided_reads={"auto": None, "on": True, "off": False}[args.strided],
     )
     # one intra-op thread per worker, as torchrun sets: workers share the cores
     env = {"OMP_NUM_THREADS": str(args.threads)}
@@ -248,6 +266,7 @@ def run_case(
         config=config,
         shapes=shapes,
         moe=moe,
+        transposed_down=args.layout == "transposed",
         verify=not args.no_verify,
     )
     consumers = [r for r in results if r["role"] == "consumer"]
@@ -258,11 +277,16 @@ def run_case(
     return {
         "case": label,
         "comm": args.comm,
+        "layout": args.layout,
+        "strided": args.strided,
         "path": consumers[0]["syncs"][0]["path"],
         "model_bytes": sum(torch.Size(s).numel() * d.itemsize for s, d in shapes.values()),
         "tensors": len(shapes),
         "bytes_moved": moved,
         "chunks": sum(r["syncs"][0]["chunks"] for r in consumers),
+        "packed_last_sync": {
+            f"{r['role']} {r['index']}": r["syncs"][-1]["packed"] for r in results
+        },
         "sync_s": sync_s,
         "sync_all_s": per_sync,
         "gb_s": moved / sync_s / 1e9,
@@ -315,6 +339,18 @@ def main() -> None:
         default="auto",
         help="hidden size of the llama cases; auto: that of a real model of the size "
         "(1024 below 1 GiB, 2048 below 4 GiB, 4096 below 40 GiB)",
+    )
+    ap.add_argument(
+        "--strided",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="TransferConfig.strided_reads (auto: where the communicator maps peer memory)",
+    )
+    ap.add_argument(
+        "--layout",
+        choices=("vllm", "transposed"),
+        default="vllm",
+        help="consumer layout: vllm's (down_proj [out, in/tp]) or down_proj stored transposed",
     )
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument(

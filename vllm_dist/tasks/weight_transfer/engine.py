@@ -221,6 +221,7 @@ class _Pair:
     outbox_bytes: int = 0  # READ: bytes of the chunks queued since the last announcement
     outbox_packed: int = 0  # READ: ring slots packed since the last announcement
     slot_seq: dict[int, int] = field(default_factory=dict)  # READ: slot -> last seq packed
+    packs: int = 0  # READ: chunks packed this sync (the next one takes slot packs % K)
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
@@ -628,6 +629,7 @@ class WeightProducer(_Engine):
         per_group = self.config.announce_bytes == 0
         for pair in self._pairs.values():
             pair.slot_seq.clear()  # the last sync drained every slot
+            pair.packs = 0
         for g, cid, i in self._schedule:
             self._release(barrier, opened)
             if g not in opened:
@@ -687,15 +689,16 @@ class WeightProducer(_Engine):
         barrier: FreeBarrier,
     ) -> None:
         """Tell the consumer where chunk ``seq`` is: in its source (exposed, no pack) or
-        packed into slot ``seq % K`` once that slot's last reader is done."""
+        packed into the next ring slot (round robin over the packed chunks only) once that
+        slot's last reader is done."""
         assert pair.ring is not None
         exposed = self._exposed_source(pair, chunk, tensors)
         if exposed is not None:
             name, offset, desc, strides = exposed
             pair.outbox.append((self._syncs, chunk.seq, offset, chunk.nbytes, name, desc, strides))
         else:
-            k = pair.ring.slots
-            index = chunk.seq % k
+            index = pair.packs % pair.ring.slots
+            pair.packs += 1
             last = pair.slot_seq.get(index)  # the last chunk packed into this slot
             while last is not None and pair.pending and pair.pending[0][0] <= last:
                 self._take_done(cid, pair, barrier, block=True)
@@ -841,7 +844,8 @@ class WeightProducer(_Engine):
         """Copy the chunk's items into its slot; ``defer``: queue the copies for ``_announce``."""
         self._packed += 1
         plan = pair.views[chunk.index]
-        if plan.dsts is None:  # the slot of a chunk never moves: build its views once
+        if plan.dsts is None or plan.slot_ptr != slot.data_ptr():  # views per slot it lands in
+            plan.slot_ptr = slot.data_ptr()
             plan.dsts = [
                 slot[off : off + pair.items[i][2]].view(pair.items[i][0]).view(pair.items[i][1])
                 for i, off in zip(chunk.items, chunk.offsets, strict=True)
@@ -887,6 +891,7 @@ class _PackPlan:
     names: list[str]
     prefixes: list[OpChain]
     dsts: list[torch.Tensor] | None = None
+    slot_ptr: int = 0  # where ``dsts`` point: a READ-path chunk may take another slot next sync
     objs: list[torch.Tensor] | None = None  # the source tensors ``srcs`` were built from
     srcs: list[torch.Tensor] | None = None
     ptrs: list[int] = field(default_factory=list)  # data pointers of ``objs``
@@ -1263,6 +1268,18 @@ class WeightConsumer(_Engine):
         self._announced_as: list[Any] = [None] * len(self.chunks)  # this sync's announcements
         self._targets: list[torch.Tensor | None] = [None] * len(self.chunks)
         k = self.layout.ring_slots
+        # staging slot per chunk: READ, round robin over the chunks that may need staging (a
+        # direct chunk never does); push, seq % K in step with the producer's ring
+        staging: dict[int, int] = {}
+        self._stage_slot: list[int] = []
+        for c, direct in zip(self.chunks, self._direct, strict=True):
+            if not self._read:
+                self._stage_slot.append(c.seq % k)
+            elif direct is None:
+                self._stage_slot.append(staging.get(c.producer, 0) % k)
+                staging[c.producer] = staging.get(c.producer, 0) + 1
+            else:
+                self._stage_slot.append(-1)
         last: dict[tuple[int, int], int] = {}
         self._prev_in_slot: list[int] = []
         for c in self.chunks:
@@ -1317,7 +1334,6 @@ class WeightConsumer(_Engine):
         staged: set[tuple[int, int]] = set()  # (producer, staging slot) holding unread bytes
         finished: dict[int, int] = {}  # producer -> last seq read, not yet reported
         nxt, n = 0, len(self.chunks)
-        k = self.layout.ring_slots
         while nxt < n or flight:
             batch: list[int] = []
             announcements: list[Any] = []
@@ -1325,7 +1341,7 @@ class WeightConsumer(_Engine):
                 chunk = self.chunks[nxt]
                 if not self._announced(chunk, inbox, block=not flight and not batch):
                     break
-                slot = (chunk.producer, chunk.seq % k)
+                slot = (chunk.producer, self._stage_slot[nxt])
                 if self._staged(nxt, inbox[chunk.producer][0]):
                     if slot in staged:
                         break  # that staging slot's bytes are not unpacked yet
@@ -1455,7 +1471,6 @@ class WeightConsumer(_Engine):
         self._mark("read done")
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        k = self.layout.ring_slots
         for j in batch:
             chunk = self.chunks[j]
             finished[chunk.producer] = chunk.seq
@@ -1464,7 +1479,7 @@ class WeightConsumer(_Engine):
                 views = self._unpack_plan(j)
                 dsts += views[0]
                 srcs += views[1]
-                staged.discard((chunk.producer, chunk.seq % k))
+                staged.discard((chunk.producer, self._stage_slot[j]))
         if dsts:
             torch._foreach_copy_(dsts, srcs)
             self._mark(f"unpacked {len(dsts)}")
@@ -1492,7 +1507,7 @@ class WeightConsumer(_Engine):
         chunk = self.chunks[j]
         pair = self._pairs[chunk.producer]
         assert pair.ring is not None
-        start = (chunk.seq % pair.ring.slots) * pair.slot_bytes
+        start = self._stage_slot[j] * pair.slot_bytes
         return pair.ring.buffer[start : start + chunk.nbytes]
 
     def _issue(self, j: int, handles: list[Any], slots: list[torch.Tensor]) -> None:

@@ -5,7 +5,9 @@ sync, the producer announces every chunk to its consumer as ``(sync, seq, offset
 source, descriptor, strides)``: a one-item chunk whose source view is contiguous and whose
 storage was there last sync is read *in place* (its storage is exposed once, the descriptor
 rides along with the first announcement to each consumer, and nothing is packed); any other
-chunk is packed into ring slot ``seq % K`` once the slot's last reader is done.
+chunk is packed into the pair's next ring slot (round robin in issue order over the chunks
+packed this sync, so chunks read in place take no slot) once the slot's last reader is done;
+consumers stage likewise, round robin over the chunks whose parameter view is not contiguous.
 
 Strided reads. A consumer whose communicator maps its peers' memory (``StridedReadCommunicator``:
 CUDA IPC on one node) asks for them at set-up. Its producers then announce non-contiguous views

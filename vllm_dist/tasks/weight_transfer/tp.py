@@ -69,13 +69,20 @@ Shapes = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def llama_tp_layout(
-    shapes: Shapes, tp_rank: int, tp_size: int, device: torch.device | str = "cpu"
+    shapes: Shapes,
+    tp_rank: int,
+    tp_size: int,
+    device: torch.device | str = "cpu",
+    *,
+    transposed_down: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[tuple[str, Loader]]]]:
     """Parameters and routes of one tensor-parallel rank of a Hugging Face Llama.
 
     ``shapes`` maps every HF name to (shape, dtype). q/k/v go into a fused column-parallel
     ``qkv_proj``, gate/up into ``gate_up_proj``, o/down are row parallel, embeddings and the LM
-    head vocab parallel, norms replicated. Returns (params, routes by HF name).
+    head vocab parallel, norms replicated. ``transposed_down``: ``down_proj`` is stored
+    transposed (``[in / tp, out]``, as kernels that want K-major weights keep it) instead of
+    vLLM's ``[out, in / tp]``. Returns (params, routes by HF name).
     """
     params: dict[str, torch.Tensor] = {}
     routes: dict[str, list[tuple[str, Loader]]] = {}
@@ -100,12 +107,12 @@ def llama_tp_layout(
             alloc(fused, (2 * inter // tp_size, *shape[1:]), dtype)
             offset = 0 if module == "gate_proj" else inter // tp_size
             routes[name] = [(fused, fused_shard(offset, tp_rank, tp_size))]
-        elif module == "o_proj" and leaf == "weight":
-            alloc(name, (shape[0], shape[1] // tp_size), dtype)
-            routes[name] = [(name, row_parallel(tp_rank, tp_size))]
-        elif module == "down_proj" and leaf == "weight":
+        elif module == "down_proj" and leaf == "weight" and transposed_down:
             alloc(name, (shape[1] // tp_size, shape[0]), dtype)  # stored transposed
             routes[name] = [(name, transposed_row_parallel(tp_rank, tp_size))]
+        elif module in ("o_proj", "down_proj") and leaf == "weight":
+            alloc(name, (shape[0], shape[1] // tp_size), dtype)
+            routes[name] = [(name, row_parallel(tp_rank, tp_size))]
         elif module in ("embed_tokens", "lm_head"):
             alloc(name, (shape[0] // tp_size, *shape[1:]), dtype)
             routes[name] = [(name, column_parallel(tp_rank, tp_size))]
