@@ -35,7 +35,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -117,8 +117,10 @@ class TransferConfig:
             the destination view where those are contiguous (no pack / unpack copy).
         announce_bytes: READ path. 0: producers tell consumers what is ready at every gather
             group (consumers start early; a group is released as soon as it is read). N > 0:
-            once N bytes are ready for a consumer (and before any wait, and at the end), so
-            a whole sync can be one announcement, one batched read and one reply. Use N with
+            announcements double in size (16 MiB, then as many bytes as were announced
+            before) up to N bytes (and go out before any wait, and at the end), so a whole
+            sync is a handful of announcements, batched reads and replies, and consumers
+            start reading after the first 16 MiB. Use N with
             ``ring_slots`` deep enough to hold a sync's packed chunks when round trips are
             dear: on one GPU shared by several processes each costs a GPU time slice (about
             1 ms measured on an H200).
@@ -222,6 +224,7 @@ class _Pair:
     outbox_packed: int = 0  # READ: ring slots packed since the last announcement
     slot_seq: dict[int, int] = field(default_factory=dict)  # READ: slot -> last seq packed
     packs: int = 0  # READ: chunks packed this sync (the next one takes slot packs % K)
+    announced: int = 0  # READ: bytes announced this sync
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
@@ -490,10 +493,11 @@ class WeightProducer(_Engine):
             index.class_ids[pos],
             np.full(len(pos), self.producer_id),
             sizes[ids],
-            self.layout,
+            _pair_layout(self.layout, strided is True),
         )
         encoded = (kinds, names, ids.tobytes())
-        digest = plan_digest(cid, self.producer_id, chunks, encoded, index.router, self.layout)
+        layout = _pair_layout(self.layout, strided is True)
+        digest = plan_digest(cid, self.producer_id, chunks, encoded, index.router, layout)
         self._compare(cid, chunks, digest, reserve_msg)
         slot = slot_bytes(chunks, self.producer_id, self.layout.align)
         pair = _Pair(peer_rank=crank, chunks=chunks, requests=[], slot_bytes=slot, names=names)
@@ -630,6 +634,7 @@ class WeightProducer(_Engine):
         for pair in self._pairs.values():
             pair.slot_seq.clear()  # the last sync drained every slot
             pair.packs = 0
+            pair.announced = 0
         for g, cid, i in self._schedule:
             self._release(barrier, opened)
             if g not in opened:
@@ -710,8 +715,11 @@ class WeightProducer(_Engine):
             pair.outbox_packed += 1
         pair.pending.append((chunk.seq, chunk.group))
         pair.outbox_bytes += chunk.nbytes
-        if pair.outbox_bytes >= (
-            self.config.announce_bytes or _ANNOUNCE_BYTES
+        # announcements double in size up to the limit: the consumer starts on the first
+        # few MiB while a whole sync still takes a handful of messages
+        limit = self.config.announce_bytes or _ANNOUNCE_BYTES
+        if pair.outbox_bytes >= min(
+            limit, max(_FIRST_ANNOUNCE_BYTES, pair.announced)
         ) or pair.outbox_packed >= max(1, pair.ring.slots // 2):
             self._announce(pair)  # let the consumer read half the ring while we pack the rest
 
@@ -729,6 +737,7 @@ class WeightProducer(_Engine):
             self._mark(f"announce {pair.peer_rank} x{len(pair.outbox)}")
             self.communicator.notify(pair.peer_rank, ready_message(pair.outbox))  # type: ignore[attr-defined]
             pair.outbox = []
+        pair.announced += pair.outbox_bytes
         pair.outbox_bytes = 0
         pair.outbox_packed = 0
 
@@ -903,6 +912,20 @@ class _PackPlan:
 _MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
 _BATCHES_IN_FLIGHT = 4  # batched reads a consumer keeps posted at once on the READ path
 _ANNOUNCE_BYTES = 256 << 20  # a producer announces at least this often within a long group
+_FIRST_ANNOUNCE_BYTES = 16 << 20  # the first announcement of a sync, when batching by bytes
+
+
+_STRIDED_DIRECT_BYTES = 8 << 10  # with strided reads, items this large are read in place
+
+
+def _pair_layout(layout: LayoutConfig, strided: bool) -> LayoutConfig:
+    """The layout of a pair: with strided reads every item of at least 8 KiB (a norm of a
+    hidden-4096 model) is a chunk of its own, read in place, so producers pack and
+    synchronize their device for nothing but tiny items (below that, per-chunk bookkeeping of
+    about 10 µs a side costs more than packing)."""
+    if not strided or layout.direct_bytes <= _STRIDED_DIRECT_BYTES:
+        return layout
+    return replace(layout, direct_bytes=_STRIDED_DIRECT_BYTES)
 
 
 def _wire(req: Request) -> tuple[int, ...]:
@@ -1031,6 +1054,7 @@ class WeightConsumer(_Engine):
         self._strided = capable and (
             want is True or (want is None and bool(communicator.maps_peer_memory))  # type: ignore[attr-defined]
         )
+        self.layout = _pair_layout(self.layout, self._strided)
         # chunk index -> ((source, offset, strides) it was last read from, how): see ``_route``
         self._routes: dict[int, tuple[Any, tuple[str, int, Any, torch.Tensor, bool]]] = {}
 
@@ -1152,8 +1176,10 @@ class WeightConsumer(_Engine):
             self._expose(pair.ring.buffer, f"wt-stage-c{self.consumer_id}-p{p}")
         pinned: set[int] = set()
         for i, direct in enumerate(self._direct):
-            if direct is None or len(pinned) >= _MAX_PINNED:
-                continue
+            if len(pinned) >= _MAX_PINNED:
+                break
+            if direct is None and not (self._strided and len(self.chunks[i].items) == 1):
+                continue  # strided reads may land in place: their copies are cached if pinned
             param = self.params[self._dest_params[self.chunks[i].items[0]]].data
             key = param.untyped_storage().data_ptr()
             if key not in pinned and param.is_contiguous():
