@@ -49,7 +49,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from vllm_dist.implementations.communicators.common import check_tensor, default_device
+from vllm_dist.implementations.communicators.common import (
+    check_tensor,
+    default_device,
+    widest_views,
+)
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoordinator
 from vllm_dist.versions import (  # noqa: F401 - re-exported for the RDT helpers' callers
     RDT_MIN_RAY_VERSION,
@@ -68,32 +72,6 @@ _READY, _DONE, _ERROR, _USER = b"R", b"D", b"E", b"U"
 _BATCH_COPY_BYTES = 1 << 20  # CUDA IPC pieces below this share one batched copy launch
 _MAX_PREPARED = 1 << 16  # CUDA IPC copy views kept for reuse (a weight sync repeats its reads)
 _MAX_RUNS = 1 << 20  # descriptors one strided read may take through NIXL
-
-
-def _widest(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dst`` and ``src`` viewed as the widest integer type both layouts allow, for a bitwise
-    copy: a strided copy kernel moves one element per thread and does not vectorize, so eight
-    bytes per element instead of two makes a row-strided bf16 copy about as fast as a
-    contiguous one. Contiguous pairs are left alone (``copy_`` is a memcpy for them)."""
-    item = dst.element_size()
-    if (
-        dst.dim() == 0
-        or (dst.is_contiguous() and src.is_contiguous())
-        or dst.dtype != src.dtype
-        or dst.stride(-1) != 1
-        or src.stride(-1) != 1
-    ):
-        return dst, src
-    for wide in (torch.int64, torch.int32, torch.int16):
-        ratio = wide.itemsize // item
-        if ratio <= 1:
-            break
-        if dst.shape[-1] % ratio == 0 and all(
-            t.storage_offset() % ratio == 0 and all(st % ratio == 0 for st in t.stride()[:-1])
-            for t in (dst, src)
-        ):
-            return dst.view(wide), src.view(wide)
-    return dst, src
 
 
 def strided_runs(
@@ -801,7 +779,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
                 copies = None
             elif copies is not None and extent:
                 theirs = mapped[off : off + extent].view(local.dtype).as_strided(size, stride)
-                mine, theirs = _widest(local, theirs)
+                mine, theirs = widest_views(local, theirs)
                 copies.append((mine, theirs, extent))
                 if key is not None and self._is_exposed(local):  # kept alive by its exposure
                     if len(self._prepared) >= _MAX_PREPARED:

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_dist.implementations.communicators.common import batched_copy
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.onesided import (
@@ -728,7 +729,7 @@ class WeightProducer(_Engine):
         behind them is in place (one device synchronization covers all of them)."""
         if pair.outbox:
             if self._packs[0]:  # every queued pack in one launch
-                torch._foreach_copy_(*self._packs)
+                batched_copy(*self._packs)
                 self._packs = ([], [])
                 self._dirty = True
             if self._dirty:
@@ -864,7 +865,7 @@ class WeightProducer(_Engine):
             self._packs[0].extend(plan.dsts)
             self._packs[1].extend(srcs)
         else:
-            torch._foreach_copy_(plan.dsts, srcs)
+            batched_copy(plan.dsts, srcs)
 
     def _sources(
         self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
@@ -1507,7 +1508,7 @@ class WeightConsumer(_Engine):
                 srcs += views[1]
                 staged.discard((chunk.producer, self._stage_slot[j]))
         if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            batched_copy(dsts, srcs)
             self._mark(f"unpacked {len(dsts)}")
         if not flight or not all(h.done() for h in flight[0][1]):
             self._report(finished)  # nothing else is ready: let producers reuse their slots
@@ -1555,7 +1556,7 @@ class WeightConsumer(_Engine):
 
     def _unpack(self, slot: torch.Tensor, chunk: Chunk) -> None:
         self._packed += 1
-        torch._foreach_copy_(*self._unpack_plan(chunk.index, slot))
+        batched_copy(*self._unpack_plan(chunk.index, slot))
 
     def _unpack_plan(
         self, j: int, slot: torch.Tensor | None = None
