@@ -119,9 +119,10 @@ class TransferConfig:
         announce_bytes: READ path. 0: producers tell consumers what is ready at every gather
             group (consumers start early; a group is released as soon as it is read). N > 0:
             announcements double in size (16 MiB, then as many bytes as were announced
-            before) up to N bytes (and go out before any wait, and at the end), so a whole
-            sync is a handful of announcements, batched reads and replies, and consumers
-            start reading after the first 16 MiB. Use N with
+            before) up to N bytes or an eighth of the pair's bytes per sync (and go out
+            before any wait, and at the end), so a whole sync is about a dozen
+            announcements, batched reads and replies, consumers start reading after the
+            first 16 MiB, and little is left to read once the producer is through. Use N with
             ``ring_slots`` deep enough to hold a sync's packed chunks when round trips are
             dear: on one GPU shared by several processes each costs a GPU time slice (about
             1 ms measured on an H200).
@@ -226,6 +227,7 @@ class _Pair:
     slot_seq: dict[int, int] = field(default_factory=dict)  # READ: slot -> last seq packed
     packs: int = 0  # READ: chunks packed this sync (the next one takes slot packs % K)
     announced: int = 0  # READ: bytes announced this sync
+    sync_bytes: int = 0  # the bytes of all of the pair's chunks
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # READ: (seq, group) unread
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
@@ -601,6 +603,8 @@ class WeightProducer(_Engine):
     def _build_schedule(self) -> None:
         sched = [(c.group, cid, c.index) for cid, pair in self._pairs.items() for c in pair.chunks]
         self._schedule = sorted(sched)
+        for pair in self._pairs.values():
+            pair.sync_bytes = sum(c.nbytes for c in pair.chunks)
         self._group_counts: dict[int, int] = {}
         for g, _cid, _i in self._schedule:
             self._group_counts[g] = self._group_counts.get(g, 0) + 1
@@ -716,9 +720,11 @@ class WeightProducer(_Engine):
             pair.outbox_packed += 1
         pair.pending.append((chunk.seq, chunk.group))
         pair.outbox_bytes += chunk.nbytes
-        # announcements double in size up to the limit: the consumer starts on the first
-        # few MiB while a whole sync still takes a handful of messages
+        # announcements double in size up to the limit, and to an eighth of what the pair
+        # moves per sync: the consumer starts on the first few MiB, a sync takes a dozen
+        # messages, and what is left to read after the last one is small
         limit = self.config.announce_bytes or _ANNOUNCE_BYTES
+        limit = min(limit, max(_FIRST_ANNOUNCE_BYTES, pair.sync_bytes // 8))
         if pair.outbox_bytes >= min(
             limit, max(_FIRST_ANNOUNCE_BYTES, pair.announced)
         ) or pair.outbox_packed >= max(1, pair.ring.slots // 2):
