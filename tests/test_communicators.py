@@ -83,3 +83,26 @@ def test_supported_ops_declared() -> None:
     assert CommOp.ALL_REDUCE in TorchDistributedCommunicator.supported_ops
     assert CommOp.READ not in TorchDistributedCommunicator.supported_ops
     assert torch.device("cpu").type == "cpu"
+
+
+def test_widest_views_and_batched_copy() -> None:
+    from vllm_dist.implementations.communicators.common import batched_copy, widest_views
+
+    full = torch.arange(64 * 96, dtype=torch.int16).view(64, 96).view(torch.bfloat16)
+    cols = full[:, 32:64]  # a row-parallel slice: rows of 64 bytes at a stride of 192 bytes
+    dst = torch.empty(64, 32, dtype=torch.bfloat16)
+    wide_dst, wide_src = widest_views(dst, cols)
+    assert wide_dst.dtype == torch.int64 and wide_src.stride() == (24, 1)
+    odd = full[:, 3:35]  # a start that no wider type divides: left as it is
+    assert widest_views(dst, odd)[0].dtype == torch.bfloat16
+    assert widest_views(dst.t(), cols.t())[0].dtype == torch.bfloat16  # transposed: not rows
+    both = torch.zeros(64, 32, dtype=torch.bfloat16), full[:, :32].contiguous()
+    assert widest_views(*both)[0].dtype == torch.bfloat16  # contiguous: copy_ is a memcpy
+    outs = [torch.zeros(64, 32, dtype=torch.bfloat16) for _ in range(4)]
+    transposed = torch.zeros(32, 64, dtype=torch.bfloat16)
+    srcs = [cols, odd, full[:, :32].contiguous(), full[:5, 7:39]]
+    batched_copy([outs[0], outs[1], outs[2], outs[3][:5], transposed.t()], [*srcs, cols])
+    for out, src in zip(outs[:3], srcs[:3], strict=True):
+        assert torch.equal(out.view(torch.int16), src.view(torch.int16))
+    assert torch.equal(outs[3][:5].view(torch.int16), srcs[3].view(torch.int16))
+    assert torch.equal(transposed.t().view(torch.int16), cols.view(torch.int16))
