@@ -426,6 +426,12 @@ def test_llama_tp_layout_is_what_an_engine_holds(shapes: dict[str, Any]) -> None
 
 
 # -- multi-process syncs -------------------------------------------------------------------------
+_ONE_GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(cuda_device_count() < 1, reason="needs 1 CUDA device"),
+]
+
+
 def _launch(
     n: int,
     timeout: float = 90.0,
@@ -665,20 +671,32 @@ class SwappingStorageTask(LlamaTransferTask):
         super().before_producer_sync(step, source, **kw)
 
 
-@pytest.mark.parametrize("comm", ["torch_distributed", "nixl_rdt"])
-@distributed_test(timeout=150)
-def test_sync_follows_a_storage_swap(shapes: dict[str, Any], comm: str) -> None:
+@pytest.mark.parametrize(
+    "comm, device, strided",
+    [
+        ("torch_distributed", "cpu", None),
+        ("nixl_rdt", "cpu", None),
+        ("nixl_rdt", "cpu", True),  # in-place strided reads follow the swap too
+        pytest.param("nixl_rdt", "cuda", None, marks=_ONE_GPU),  # CUDA IPC mappings
+    ],
+)
+@distributed_test(timeout=240)
+def test_sync_follows_a_storage_swap(
+    shapes: dict[str, Any], comm: str, device: str, strided: bool | None
+) -> None:
     if comm == "nixl_rdt":
         _needs_nixl()
     results = _launch(
         3,
+        timeout=200,
         task=SwappingStorageTask,
         comm=CommunicatorType(comm),
+        device=device,
         num_producers=1,
         num_consumers=2,
         syncs=4,
         shapes=shapes,
-        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096, strided_reads=strided),
     )
     _assert_verified(results, 4)
 
@@ -759,12 +777,6 @@ class RejoinTask(GlobalCoordinatorDistributedTask):
         finally:
             consumer.close()
         return checked
-
-
-_ONE_GPU = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(cuda_device_count() < 1, reason="needs 1 CUDA device"),
-]
 
 
 @pytest.mark.parametrize(
