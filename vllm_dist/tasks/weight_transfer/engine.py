@@ -491,15 +491,15 @@ class WeightProducer(_Engine):
             raise UnsafeOpError(f"consumer {cid} sent {exc}") from None
         pos = self._check_names(cid, index, names)
         sizes = self._check_kinds(cid, index, kinds, names, ids, pos)
+        layout = _pair_layout(self.layout, strided is True)  # strided reads: see there
         chunks = cut_chunks(
             index.group_ids[pos],
             index.class_ids[pos],
             np.full(len(pos), self.producer_id),
             sizes[ids],
-            _pair_layout(self.layout, strided is True),
+            layout,
         )
         encoded = (kinds, names, ids.tobytes())
-        layout = _pair_layout(self.layout, strided is True)
         digest = plan_digest(cid, self.producer_id, chunks, encoded, index.router, layout)
         self._compare(cid, chunks, digest, reserve_msg)
         slot = slot_bytes(chunks, self.producer_id, self.layout.align)
