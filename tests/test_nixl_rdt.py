@@ -224,6 +224,53 @@ def test_strided_runs() -> None:
     assert nixl_rdt.strided_runs((0, 5), (5, 1), 2)[0].size == 0
 
 
+class PreparedReadsTask(GlobalCoordinatorDistributedTask):
+    """Rank 1 rewrites its exposed buffer every round; rank 0 posts one prepared set of plain
+    and strided reads each round and checks every byte against that round's contents."""
+
+    def post_init_distributed(self, rounds: int = 4, **kwargs: Any) -> Any:
+        comm: Any = self.communicator
+        dev = str(self.device)
+        rank = self.coordinator.get_rank()
+        nbytes = 8 << 20
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        if rank == 1:
+            comm.expose(buf, "weights")
+        comm.exchange_exposed()
+        small = torch.empty(333, dtype=torch.uint8, device=dev)
+        big = torch.empty(2 << 20, dtype=torch.uint8, device=dev)
+        cols = torch.empty(1024, 1000, dtype=torch.int16, device=dev)  # a column slice
+        out: dict[str, Any] = {}
+        prepared = None
+        if rank == 0:
+            prepared = comm.prepare_reads(
+                1,
+                [("weights", 7, small), ("weights", 5 << 20, big)],
+                [("weights", 200, (4096, 1), cols)],
+            )
+        for i in range(rounds):
+            if rank == 1:
+                buf.copy_(pattern(nbytes, 100 + i, dev))
+            self.coordinator.barrier()
+            if rank == 0:
+                assert prepared is not None
+                prepared.post().wait(timeout=30)
+                ref = pattern(nbytes, 100 + i)
+                assert torch.equal(small.cpu(), ref[7:340])
+                assert torch.equal(big.cpu(), ref[5 << 20 : 7 << 20])
+                matrix = ref.view(torch.int16).view(1024, 4096)
+                assert torch.equal(cols.cpu(), matrix[:, 100:1100]), i
+            self.coordinator.barrier()
+        if prepared is not None:
+            out["open"] = comm.stats()
+            out["graphed"] = prepared.graphed
+            prepared.close()
+            prepared.close()  # idempotent
+            out["closed"] = comm.stats()
+        self.coordinator.barrier()
+        return out
+
+
 class RepeatTask(GlobalCoordinatorDistributedTask):
     """Many transfers of reused and fresh buffers: handles and registrations must not grow."""
 
@@ -437,6 +484,14 @@ def test_ray_rdt_version_guard() -> None:
     assert nixl_rdt.ray_rdt_env(user) == user  # the user's UCX settings win
 
 
+@distributed_test(timeout=180)
+def test_prepared_reads_are_reposted_cpu() -> None:
+    """Through NIXL: one request built once and reposted every round; close releases it."""
+    out = launch(PreparedReadsTask)[0]
+    assert out["open"]["live_xfer_handles"] == 1 and not out["graphed"]
+    assert out["closed"]["live_xfer_handles"] == 0 and out["closed"]["leaked_xfer_handles"] == 0
+
+
 # -- VRAM: two processes on one GPU (run on the device machine) ---------------------------------
 
 
@@ -465,6 +520,16 @@ def test_repeated_transfers_vram_same_gpu() -> None:
         RepeatTask, device="cuda:0", options={"timeout": 60.0, "max_cached_registrations": 8}
     )
     assert all(end["live_xfer_handles"] == 0 for _, end in counts)
+
+
+@distributed_test(gpus=1, timeout=300)
+@pytest.mark.parametrize("cuda_ipc", [True, False], ids=["cuda_ipc", "ucx"])
+def test_prepared_reads_vram_same_gpu(cuda_ipc: bool) -> None:
+    """On a CUDA IPC mapping the copies become one CUDA graph, replayed by every post."""
+    options = {"timeout": 30.0, "cuda_ipc": cuda_ipc}
+    out = launch(PreparedReadsTask, device="cuda:0", options=options)[0]
+    assert out["graphed"] is cuda_ipc
+    assert out["closed"]["live_xfer_handles"] == 0
 
 
 # -- NIXL_RDT under RayLauncher ----------------------------------------------------------------

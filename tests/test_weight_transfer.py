@@ -12,6 +12,7 @@ import pickle
 import socket
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -823,8 +824,9 @@ def test_refused_restart_leaves_the_other_consumers_syncing(shapes: dict[str, An
 
 @distributed_test(timeout=150)
 def test_read_path_one_announcement_per_sync(shapes: dict[str, Any]) -> None:
-    """announce_bytes above the model and a ring deep enough for a whole sync: every sync is
-    one announcement and one batched read per consumer, still byte-exact."""
+    """announce_bytes above the model and a ring deep enough for a whole sync: a sync read
+    chunk by chunk is one announcement and one batched read per consumer, still byte-exact
+    (the trace is of sync 2; from sync 3 on the whole sync is replayed, tested below)."""
     _needs_nixl()
     config = TransferConfig(
         workers_per_replica=2,
@@ -838,12 +840,12 @@ def test_read_path_one_announcement_per_sync(shapes: dict[str, Any]) -> None:
         comm=CommunicatorType.NIXL_RDT,
         num_producers=1,
         num_consumers=2,
-        syncs=3,
+        syncs=2,
         shapes=shapes,
         config=config,
         env={"VLLM_DIST_WT_TRACE": "1"},
     )
-    _assert_verified(results, 3)
+    _assert_verified(results, 2)
     assert summarize(results)["path"] == "read"
     events = [e for _, e in results[0]["trace"]]  # the producer's last sync
     assert sum(e.startswith("announce") for e in events) == 2, " ".join(events)  # one per consumer
@@ -974,3 +976,134 @@ def test_read_path_strided_reads_one_gpu(shapes: dict[str, Any]) -> None:
     packed, strided = _strided_vs_packed(shapes, "cuda", None)
     for role in range(3):
         assert strided[role]["syncs"][-1]["packed"] < packed[role]["syncs"][-1]["packed"]
+
+
+# -- the steady state: whole syncs replayed -----------------------------------------------------
+_STEADY = TransferConfig(workers_per_replica=2, direct_bytes=4096, ring_slots=64)
+
+
+def _replayed(results: list[dict[str, Any]]) -> list[list[bool]]:
+    return [[s["replayed"] for s in r["syncs"]] for r in results]
+
+
+@distributed_test(timeout=150)
+def test_read_path_steady_state_replays_whole_syncs(shapes: dict[str, Any]) -> None:
+    """A resident source written in place: sync 1 packs what it has not seen, sync 2 reads it
+    in place, and from sync 3 on every sync runs as sync 2 did (one message per consumer and
+    one answer) — the weights still change every sync and every byte is checked."""
+    _needs_nixl()
+    results = _launch(
+        3,
+        comm=CommunicatorType.NIXL_RDT,
+        num_producers=1,
+        num_consumers=2,
+        syncs=5,
+        shapes=shapes,
+        config=_STEADY,
+        env={"VLLM_DIST_WT_TRACE": "1"},
+    )
+    _assert_verified(results, 5)
+    assert _replayed(results) == [[False, False, True, True, True]] * 3
+    events = [e for _, e in results[0]["trace"]]  # the producer's last sync: no per-chunk work
+    assert "replay" in events and not any(e.startswith(("open", "announce")) for e in events)
+    assert results[0]["syncs"][-1]["packed"] == results[0]["syncs"][1]["packed"]
+
+
+@distributed_test(timeout=150)
+def test_replay_stops_at_a_storage_swap_and_resumes(shapes: dict[str, Any]) -> None:
+    """``p.data = ...`` before sync 3: that sync and the next are read chunk by chunk (the new
+    storage is packed, then exposed and read in place); replays resume at sync 5."""
+    _needs_nixl()
+    results = _launch(
+        3,
+        task=SwappingStorageTask,
+        comm=CommunicatorType.NIXL_RDT,
+        num_producers=1,
+        num_consumers=2,
+        syncs=6,
+        shapes=shapes,
+        config=_STEADY,
+    )
+    _assert_verified(results, 6)
+    assert _replayed(results) == [[False, False, False, False, True, True]] * 3
+
+
+class ChunkwiseConsumer(WeightConsumer):
+    """A consumer that never runs a replay as a whole: it reads the announcements a replay
+    message stands for one by one (what a consumer does when its record cannot be replayed)."""
+
+    def _start_replays(self, inbox: Any) -> dict[int, list[Any]]:
+        return {}
+
+
+class ChunkwiseTask(LlamaTransferTask):
+    consumer_class = ChunkwiseConsumer
+
+
+@distributed_test(timeout=150)
+def test_replay_read_chunk_by_chunk_is_byte_exact(shapes: dict[str, Any]) -> None:
+    _needs_nixl()
+    results = _launch(
+        3,
+        task=ChunkwiseTask,
+        comm=CommunicatorType.NIXL_RDT,
+        num_producers=1,
+        num_consumers=2,
+        syncs=4,
+        shapes=shapes,
+        config=_STEADY,
+    )
+    _assert_verified(results, 4)
+    assert _replayed(results) == [[False, False, True, True]] + [[False] * 4] * 2
+
+
+class DyingInReplayConsumer(LlamaTransferTask):
+    """Consumer 1 dies after the first replayed sync."""
+
+    def after_consumer_sync(self, step: int, spec: Any, **kw: Any) -> Any:
+        if step == 2 and self.coordinator.get_rank() == 2:
+            import os
+
+            os._exit(7)
+        return super().after_consumer_sync(step, spec, **kw)
+
+
+@distributed_test(timeout=120)
+def test_consumer_death_ends_a_replayed_sync(shapes: dict[str, Any]) -> None:
+    _needs_nixl()
+    start = time.monotonic()
+    producers, consumers = _launch_halves(
+        _free_port(),
+        LlamaTransferTask,
+        DyingInReplayConsumer,
+        90,
+        syncs=5,
+        shapes=shapes,
+        comm=CommunicatorType.NIXL_RDT,
+        config=replace(_STEADY, stall_timeout=5.0),
+        coordinator_options={"timeout": 20.0},
+    )
+    assert isinstance(consumers, LaunchError) and consumers.ranks == [1]
+    assert isinstance(producers, LaunchError), producers
+    assert "replayed sync" in str(producers), producers
+    assert time.monotonic() - start < 60
+
+
+@distributed_test(gpus=1, timeout=300)
+def test_read_path_steady_state_replays_one_gpu(shapes: dict[str, Any]) -> None:
+    """On one GPU the replayed reads are one CUDA graph per producer (strided reads into the
+    consumers' parameters, staged bytes unpacked after); still byte-exact as weights change."""
+    _needs_nixl()
+    results = _launch(
+        3,
+        timeout=240,
+        comm=CommunicatorType.NIXL_RDT,
+        device="cuda",
+        num_producers=1,
+        num_consumers=2,
+        syncs=5,
+        shapes=shapes,
+        config=_STEADY,
+    )
+    _assert_verified(results, 5)
+    assert _replayed(results) == [[False, False, True, True, True]] * 3

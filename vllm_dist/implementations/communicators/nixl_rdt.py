@@ -41,6 +41,7 @@ import pickle
 import threading
 import time
 import uuid
+import warnings
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,9 @@ class NixlOptions:
             in-process copy, against about 0.5x through UCX's cuda_ipc). NIXL still carries every
             notification and every other transfer; send/recv stay on NIXL because mapping a fresh
             receive buffer per message costs more (about 0.4 ms) than it saves.
+        cuda_graphs: ``prepare_reads`` on CUDA IPC mappings records its copies into a CUDA
+            graph at the first post and replays it: one launch for hundreds of weights instead
+            of a few µs of launch per copy kernel.
     """
 
     timeout: float = 120.0
@@ -133,6 +137,7 @@ class NixlOptions:
     num_threads: int = 0
     progress_delay_us: int | None = None
     cuda_ipc: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -382,6 +387,205 @@ class _CopyTransfer(NixlTransfer):
             if time.monotonic() > deadline:
                 raise NixlTimeoutError(f"{self._what} did not complete within {seconds} s")
             poll.sleep()
+
+
+class PreparedReads:
+    """A set of READs from one peer laid out once (``prepare_reads``); ``post`` starts them.
+
+    One post at a time: wait for a post's transfer before the next. ``close`` releases what the
+    set holds (a NIXL request, a CUDA graph); it is idempotent.
+    """
+
+    def __init__(self, comm: NixlRdtCommunicator, peer: int, what: str) -> None:
+        self._comm = comm
+        self._peer = peer
+        self._what = what
+        self._last: NixlTransfer | None = None
+        self.posts = 0
+
+    def post(self) -> NixlTransfer:
+        """Start the reads; returns a transfer to ``wait`` for."""
+        if self._last is not None and not self._last.done():
+            raise RuntimeError(f"{self._what}: posted again while the last post is in flight")
+        self._last = self._post()
+        self.posts += 1
+        return self._last
+
+    def _post(self) -> NixlTransfer:
+        raise NotImplementedError
+
+    @property
+    def graphed(self) -> bool:
+        """Whether posts replay a CUDA graph (see ``NixlOptions.cuda_graphs``)."""
+        return False
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Release what the set holds."""
+
+
+class _PreparedCopies(PreparedReads):
+    """Copy kernels on CUDA IPC mappings, recorded into a CUDA graph at the first post."""
+
+    def __init__(
+        self,
+        comm: NixlRdtCommunicator,
+        peer: int,
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]],
+        *,
+        graphs: bool,
+    ) -> None:
+        super().__init__(comm, peer, f"prepared READ of rank {peer}'s buffers through CUDA IPC")
+        self._big = [(d, s) for d, s, n in copies if n >= _BATCH_COPY_BYTES]
+        self._small = (
+            [d for d, _, n in copies if 0 < n < _BATCH_COPY_BYTES],
+            [s for _, s, n in copies if 0 < n < _BATCH_COPY_BYTES],
+        )
+        self._graphs = graphs and bool(copies)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self.graph_error: str | None = None  # why recording a graph failed, if it did
+
+    def _run(self) -> None:
+        for dst, src in self._big:
+            dst.copy_(src, non_blocking=True)
+        if self._small[0]:
+            torch._foreach_copy_(self._small[0], self._small[1], non_blocking=True)
+
+    def _record(self) -> None:
+        device = self._comm._device
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._run()
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - copies still run, launched one by one
+            self._graphs = False
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"{self._what}: recording a CUDA graph failed ({self.graph_error}); the copies "
+                "are launched one by one instead (NixlOptions(cuda_graphs=False) skips the try)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        finally:
+            current.wait_stream(stream)
+        self._graph = graph
+
+    def _post(self) -> NixlTransfer:
+        if self._graph is None and self._graphs:
+            self._record()
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._run()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._comm._device))
+        self._comm._last_backend = "cuda_ipc"
+        return _CopyTransfer(self._comm, event, self._what)
+
+    @property
+    def graphed(self) -> bool:
+        return self._graph is not None
+
+    def close(self) -> None:
+        self._graph = None
+        self._big, self._small = [], ([], [])
+
+
+class _PreparedXfer(PreparedReads):
+    """One NIXL request built once and reposted; rebuilt when the peer's metadata changed."""
+
+    def __init__(
+        self,
+        comm: NixlRdtCommunicator,
+        peer: int,
+        pieces: list[tuple[torch.Tensor, int, int, ExposedBuffer]],
+    ) -> None:
+        names = sorted({p[3].name for p in pieces})
+        more = " ..." if len(names) > 3 else ""
+        super().__init__(
+            comm, peer, f"prepared READ of {', '.join(map(repr, names[:3]))}{more} on rank {peer}"
+        )
+        self._pieces = [p for p in pieces if p[2] > 0]
+        self._handle: nixl_xfer_handle | None = None
+        self._regs: list[_Registration] = []
+        self._epoch = -1
+
+    def _build(self) -> None:
+        comm = self._comm
+        agent = comm._agent_ref()
+        local = np.empty((len(self._pieces), 3), dtype=np.uint64)
+        remote = np.empty((len(self._pieces), 3), dtype=np.uint64)
+        regs = []
+        for i, (view, off, n, r) in enumerate(self._pieces):
+            regs.append(comm._register(view))
+            local[i] = (view.data_ptr(), n, _device_id(view))
+            remote[i] = (r.addr + off, n, r.device_id)
+        with _nixl_errors(f"{self._what}: creating the request"):
+            self._handle = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(local, _mem_type(comm._device)),
+                agent.get_xfer_descs(remote, self._pieces[0][3].mem_type),
+                comm._peer_agent[self._peer],
+                b"",
+            )
+        comm._live_xfers += 1
+        for reg in regs:
+            reg.inflight += 1  # never evicted while the request may be posted
+        self._regs = regs
+        self._epoch = comm._known_epoch[self._peer]
+
+    def _post(self) -> NixlTransfer:
+        comm = self._comm
+        if not self._pieces:
+            return NixlTransfer(comm, None, [], self._what)
+        if self._handle is not None and self._epoch != comm._known_epoch[self._peer]:
+            self.close()  # the peer's metadata was reloaded: descriptors must be resolved again
+        if self._handle is None:
+            self._build()
+        if comm._device.type == "cuda":
+            torch.cuda.current_stream(comm._device).synchronize()  # the bytes must exist first
+        agent = comm._agent_ref()
+        xfer = _RepostedTransfer(comm, self._handle, self._what, self)
+        try:
+            with _nixl_errors(f"{self._what}: posting"):
+                state = agent.transfer(self._handle)
+        except NixlTransferError as exc:
+            xfer._fail(exc)
+            raise
+        if state == "ERR":
+            xfer._fail(NixlTransferError(f"{self._what} could not be posted (NIXL state ERR)"))
+        return xfer
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        regs, self._regs = self._regs, []
+        if handle is not None and self._comm._agent is not None:
+            self._comm._release_xfer(handle, regs)
+
+
+class _RepostedTransfer(NixlTransfer):
+    """One post of a ``_PreparedXfer``: finishing keeps the request for the next post."""
+
+    def __init__(
+        self, comm: NixlRdtCommunicator, handle: Any, what: str, owner: _PreparedXfer
+    ) -> None:
+        super().__init__(comm, handle, [], what)
+        self._owner = owner
+
+    def _finish(self) -> None:
+        self._handle = None
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._handle = None
+        self._owner.close()  # a failed request is not posted again: the next post rebuilds it
 
 
 class _Backoff:
@@ -739,76 +943,37 @@ class NixlRdtCommunicator(DeviceCommunicator):
                 path) a non-contiguous local tensor or more than ``_MAX_RUNS`` runs.
         """
         self._check_peer(peer)
-        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if self._use_ipc else None
-        checked = []
-        for i, (remote_name, off, stride, local) in enumerate(requests):
-            remote = self._remote_buffer(peer, remote_name)
-            key = None
-            if copies is not None:
-                key = (peer, "S", remote_name, remote.addr, off, tuple(stride), local.data_ptr())
-                hit = self._prepared.get(key)
-                if hit is not None and hit[3] is local:  # the same request as an earlier one
-                    copies.append(hit[:3])
-                    continue
-            check_tensor(local, self._device, f"local[{i}]", contiguous=False)
-            size, stride = tuple(local.shape), tuple(int(s) for s in stride)
-            item = local.element_size()
-            if len(stride) != len(size) or any(s < 0 for s in stride):
-                raise ValueError(
-                    f"request {i}: strides {stride} do not fit a view of shape {size} (one "
-                    "non-negative stride per dimension)"
-                )
-            if off < 0 or off % item:
-                raise ValueError(
-                    f"request {i}: remote offset {off} is not a multiple of the element size "
-                    f"{item} of {local.dtype}"
-                )
-            extent = (
-                0
-                if local.numel() == 0
-                else item * (1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True)))
-            )
-            if off + extent > remote.nbytes:
-                raise ValueError(
-                    f"request {i}: the remote view [{off}, {off + extent}) reaches outside "
-                    f"{remote_name!r} ({remote.nbytes} bytes) on rank {peer}"
-                )
-            checked.append((remote, off, stride, local, extent))
-            mapped = None if copies is None else self._ipc_mapping(peer, remote)
-            if mapped is None:
-                copies = None
-            elif copies is not None and extent:
-                theirs = mapped[off : off + extent].view(local.dtype).as_strided(size, stride)
-                mine, theirs = widest_views(local, theirs)
-                copies.append((mine, theirs, extent))
-                if key is not None and self._is_exposed(local):  # kept alive by its exposure
-                    if len(self._prepared) >= _MAX_PREPARED:
-                        self._prepared.clear()
-                    self._prepared[key] = (mine, theirs, extent, local)
+        pieces, copies = self._plan_strided(peer, requests, ipc=self._use_ipc)
         if copies is not None:
             return self._ipc_copy("READ", peer, copies, None)
-        pieces: list[tuple[torch.Tensor, int, int, ExposedBuffer]] = []
-        for i, (remote, off, stride, local, extent) in enumerate(checked):
-            if not extent:
-                continue
-            if not local.is_contiguous():
-                raise ValueError(
-                    f"request {i}: a strided read through NIXL needs a contiguous local tensor "
-                    f"(shape {tuple(local.shape)}, strides {local.stride()}); read into a "
-                    "contiguous buffer and copy from it"
-                )
-            starts, run = strided_runs(tuple(local.shape), stride, local.element_size())
-            if len(starts) > _MAX_RUNS:
-                raise ValueError(
-                    f"request {i}: the remote view has {len(starts)} contiguous runs of {run} "
-                    f"bytes (at most {_MAX_RUNS}); pack it on the owner's side instead"
-                )
-            flat = local.reshape(-1).view(torch.uint8)
-            pieces.extend(
-                (flat[k * run : (k + 1) * run], off + s, run, remote)
-                for k, s in enumerate(starts.tolist())
-            )
         return self._post_pieces("READ", peer, pieces, None)
+
+    def prepare_reads(
+        self,
+        peer: int,
+        requests: Sequence[tuple[str, int, torch.Tensor]] = (),
+        strided: Sequence[tuple[str, int, Sequence[int], torch.Tensor]] = (),
+    ) -> PreparedReads:
+        """A fixed set of READs from ``peer``, checked and laid out once, to post again and again.
+
+        ``requests`` are ``read_batch_async``'s, ``strided`` ``read_strided_async``'s. A weight
+        sync repeats the same reads every step; posting a prepared set skips the per-request
+        checks and bookkeeping. On CUDA IPC mappings the copies are recorded into a CUDA graph
+        at the first ``post`` (``cuda_graphs`` option), so a post costs one launch however many
+        weights it moves. Through NIXL the descriptor lists are built and the request
+        created once, and every ``post`` reposts it. The local tensors and the peer's exposed
+        buffers must stay where they are for as long as the set is used; ``close()`` it then.
+        """
+        self._check_peer(peer)
+        byte_reqs = [(name, off, t, t.numel() * t.element_size()) for name, off, t in requests]
+        pieces, copies = self._plan_gather("READ", peer, byte_reqs, ipc=self._use_ipc)
+        s_pieces, s_copies = self._plan_strided(peer, strided, ipc=self._use_ipc)
+        if copies is not None and s_copies is not None:
+            return _PreparedCopies(self, peer, [*copies, *s_copies], graphs=self._opts.cuda_graphs)
+        if copies is not None or s_copies is not None:  # mapped in part: all through NIXL
+            pieces = self._plan_gather("READ", peer, byte_reqs, ipc=False)[0]
+            s_pieces = self._plan_strided(peer, strided, ipc=False)[0]
+        return _PreparedXfer(self, peer, [*pieces, *s_pieces])
 
     @property
     def maps_peer_memory(self) -> bool:
@@ -1025,8 +1190,25 @@ class NixlRdtCommunicator(DeviceCommunicator):
     ) -> NixlTransfer:
         """One request over ``(remote name, remote offset, local view, nbytes)`` pieces."""
         self._check_peer(peer)
+        pieces, copies = self._plan_gather(op, peer, requests, ipc=self._use_ipc)
+        if copies is not None:
+            return self._ipc_copy(op, peer, copies, notify)
+        return self._post_pieces(op, peer, pieces, notify)
+
+    def _plan_gather(
+        self,
+        op: str,
+        peer: int,
+        requests: Sequence[tuple[str, int, torch.Tensor, int]],
+        *,
+        ipc: bool,
+    ) -> tuple[
+        list[tuple[torch.Tensor, int, int, ExposedBuffer]],
+        list[tuple[torch.Tensor, torch.Tensor, int]] | None,
+    ]:
+        """Check byte requests; (NIXL pieces, copies on CUDA IPC mappings or None)."""
         pieces: list[tuple[torch.Tensor, int, int, ExposedBuffer]] = []
-        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if self._use_ipc else None
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if ipc else None
         for i, (remote_name, off, view, n) in enumerate(requests):
             remote = self._remote_buffer(peer, remote_name)
             check_tensor(view, self._device, f"local[{i}]")
@@ -1057,9 +1239,90 @@ class NixlRdtCommunicator(DeviceCommunicator):
                         self._prepared.clear()
                     self._prepared[key] = prepared
                 copies.append(prepared)
+        return pieces, copies
+
+    def _plan_strided(
+        self,
+        peer: int,
+        requests: Sequence[tuple[str, int, Sequence[int], torch.Tensor]],
+        *,
+        ipc: bool,
+    ) -> tuple[
+        list[tuple[torch.Tensor, int, int, ExposedBuffer]],
+        list[tuple[torch.Tensor, torch.Tensor, int]] | None,
+    ]:
+        """Check strided read requests; (NIXL pieces, None) or, where every remote buffer is
+        mapped here and ``ipc``, ([], copies)."""
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if ipc else None
+        checked = []
+        for i, (remote_name, off, stride, local) in enumerate(requests):
+            remote = self._remote_buffer(peer, remote_name)
+            key = None
+            if copies is not None:
+                key = (peer, "S", remote_name, remote.addr, off, tuple(stride), local.data_ptr())
+                hit = self._prepared.get(key)
+                if hit is not None and hit[3] is local:  # the same request as an earlier one
+                    copies.append(hit[:3])
+                    continue
+            check_tensor(local, self._device, f"local[{i}]", contiguous=False)
+            size, stride = tuple(local.shape), tuple(int(s) for s in stride)
+            item = local.element_size()
+            if len(stride) != len(size) or any(s < 0 for s in stride):
+                raise ValueError(
+                    f"request {i}: strides {stride} do not fit a view of shape {size} (one "
+                    "non-negative stride per dimension)"
+                )
+            if off < 0 or off % item:
+                raise ValueError(
+                    f"request {i}: remote offset {off} is not a multiple of the element size "
+                    f"{item} of {local.dtype}"
+                )
+            extent = (
+                0
+                if local.numel() == 0
+                else item * (1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True)))
+            )
+            if off + extent > remote.nbytes:
+                raise ValueError(
+                    f"request {i}: the remote view [{off}, {off + extent}) reaches outside "
+                    f"{remote_name!r} ({remote.nbytes} bytes) on rank {peer}"
+                )
+            checked.append((remote, off, stride, local, extent))
+            mapped = None if copies is None else self._ipc_mapping(peer, remote)
+            if mapped is None:
+                copies = None
+            elif copies is not None and extent:
+                theirs = mapped[off : off + extent].view(local.dtype).as_strided(size, stride)
+                mine, theirs = widest_views(local, theirs)
+                copies.append((mine, theirs, extent))
+                if key is not None and self._is_exposed(local):  # kept alive by its exposure
+                    if len(self._prepared) >= _MAX_PREPARED:
+                        self._prepared.clear()
+                    self._prepared[key] = (mine, theirs, extent, local)
+        pieces: list[tuple[torch.Tensor, int, int, ExposedBuffer]] = []
         if copies is not None:
-            return self._ipc_copy(op, peer, copies, notify)
-        return self._post_pieces(op, peer, pieces, notify)
+            return pieces, copies
+        for i, (remote, off, stride, local, extent) in enumerate(checked):
+            if not extent:
+                continue
+            if not local.is_contiguous():
+                raise ValueError(
+                    f"request {i}: a strided read through NIXL needs a contiguous local tensor "
+                    f"(shape {tuple(local.shape)}, strides {local.stride()}); read into a "
+                    "contiguous buffer and copy from it"
+                )
+            starts, run = strided_runs(tuple(local.shape), stride, local.element_size())
+            if len(starts) > _MAX_RUNS:
+                raise ValueError(
+                    f"request {i}: the remote view has {len(starts)} contiguous runs of {run} "
+                    f"bytes (at most {_MAX_RUNS}); pack it on the owner's side instead"
+                )
+            flat = local.reshape(-1).view(torch.uint8)
+            pieces.extend(
+                (flat[k * run : (k + 1) * run], off + s, run, remote)
+                for k, s in enumerate(starts.tolist())
+            )
+        return pieces, None
 
     def _remote_buffer(self, peer: int, remote_name: str) -> ExposedBuffer:
         known = self._remote_exposed.get(peer, {})

@@ -21,6 +21,21 @@ Set-up, collective over the coordinator:
 Sync, READ path: see ``onesided.py``; everything runs on the calling thread (a one-sided
 communicator need not be thread-safe).
 
+Steady state, READ path. An RL trainer writes its weights in place: from one sync to the next
+every tensor is the same object at the same address. With a resident source (``resident``:
+opening every group at once costs no memory) a producer records what each complete sync did —
+the packs per pair — and each consumer the reads and unpacks it posted. At the next sync the
+producer opens every group and compares objects and addresses with the recorded ones; if
+nothing moved, it runs the recorded packs as one batched copy and sends each consumer a single
+``replay_message``. The consumer posts its recorded reads as one prepared set
+(``prepare_reads``: on CUDA IPC mappings one CUDA graph), unpacks, and answers once. Per-chunk
+work disappears from both sides. A sync is recorded only when replaying it is safe and worth it:
+no chain that copies (fresh bytes), no more packs than ring slots (all packed at once), no
+source seen for the first time (it is read in place from the next sync on), and on the
+consumer no staging slot used twice. Anything else — a swapped storage, a consumer that
+(re)joined, a consumer whose record cannot be replayed — falls back to the chunk-by-chunk path
+(a consumer reads a replay message as the last sync's announcements, one by one).
+
 Sync, push path: producers walk their chunks in the fleet-wide order (group, consumer, chunk)
 and consumers receive theirs in the same order, which keeps blocking sends deadlock-free. A
 producer packs chunk ``seq`` into slot ``seq % K`` of that consumer's ring while earlier slots
@@ -51,8 +66,10 @@ from vllm_dist.tasks.weight_transfer.onesided import (
     done_message,
     parse_done,
     parse_ready,
+    parse_replay,
     poll_message,
     ready_message,
+    replay_message,
     ring_name,
     wait_device,
     wait_message,
@@ -196,6 +213,7 @@ class SyncStats:
     chunks: int
     path: str
     packed: int = 0  # chunks that went through a pack copy (producer) or an unpack (consumer)
+    replayed: bool = False  # READ path: the whole sync ran as the previous one (steady state)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -204,6 +222,7 @@ class SyncStats:
             "chunks": self.chunks,
             "path": self.path,
             "packed": self.packed,
+            "replayed": self.replayed,
         }
 
 
@@ -232,6 +251,35 @@ class _Pair:
     items: list[tuple[torch.dtype, tuple[int, ...], int]] = field(default_factory=list)
     prefixes: list[OpChain] = field(default_factory=list)
     views: dict[int, Any] = field(default_factory=dict)  # chunk index -> its pack plan / views
+    # READ path, steady state (``_Replay``): what the last complete sync did for this pair
+    replay: _Replay | None = None
+
+
+@dataclass(kw_only=True)
+class _Replay:
+    """One pair's last sync, kept so that the next can run as a whole (``replay_message``).
+
+    Producer: the packs it made (``dsts``, ``srcs``); consumer: the reads it posted (``plain``,
+    ``strided``), the unpacks behind them, and the prepared set of reads built from them at the
+    first replay. ``sync``: the sync it describes, or -1 while it is being recorded or when that
+    sync cannot be replayed (a chain that copies; more packs or staged chunks than ring slots).
+    """
+
+    sync: int = -1
+    last_seq: int = -1
+    packs: int = 0  # chunks packed (producer) or unpacked (consumer)
+    ok: bool = True
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    srcs: list[torch.Tensor] = field(default_factory=list)
+    plain: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
+    strided: list[tuple[str, int, Any, torch.Tensor]] = field(default_factory=list)
+    prepared: Any = None
+    slots: set[tuple[int, int]] = field(default_factory=set)  # consumer: staging slots used
+
+    def close(self) -> None:
+        if self.prepared is not None and hasattr(self.prepared, "close"):
+            self.prepared.close()
+        self.prepared = None
 
 
 def _gather_verdicts(coordinator: WorkerCoordinator, error: BaseException | None) -> None:
@@ -323,6 +371,8 @@ class _Engine:
         for pair in self._pairs.values():
             if pair.worker is not None:
                 pair.worker.close()
+            if pair.replay is not None:
+                pair.replay.close()
         self._pairs = {}
         unexpose = getattr(self.communicator, "unexpose", None)
         if unexpose is not None:
@@ -378,6 +428,8 @@ class WeightProducer(_Engine):
         # READ path: (destinations, sources) of the packs queued since the last announcement
         self._packs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._seen_sources: tuple[set[Any], set[Any]] = (set(), set())  # (last sync, this one)
+        # group -> (tensor objects, data pointers) when the recorded sync opened it
+        self._seen_groups: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -616,6 +668,8 @@ class WeightProducer(_Engine):
         self._group_names = {
             g: [n for n in self.index.groups[g] if n in names] for g, names in served.items()
         }
+        self._group_order = sorted(self._group_names)
+        self._sync_bytes = sum(pair.sync_bytes for pair in self._pairs.values())
 
     # -- sync ----------------------------------------------------------------------------------
     def sync(self) -> SyncStats:
@@ -635,11 +689,19 @@ class WeightProducer(_Engine):
         moved = 0
         if self._read and self.communicator.device.type == "cuda":
             torch.cuda.synchronize(self.communicator.device)  # the trainer's writes, any stream
+        if self._replayable():
+            every = {g: self.source.open_group(self._group_names[g]) for g in self._group_order}
+            if self._unchanged(every):
+                return self._replay(start, every)
+            for g in self._group_order:
+                self.source.release_group(self._group_names[g])
+        record = self._read and self._resident
         per_group = self.config.announce_bytes == 0
         for pair in self._pairs.values():
             pair.slot_seq.clear()  # the last sync drained every slot
             pair.packs = 0
             pair.announced = 0
+            pair.replay = _Replay() if record and pair.chunks else None
         for g, cid, i in self._schedule:
             self._release(barrier, opened)
             if g not in opened:
@@ -650,6 +712,8 @@ class WeightProducer(_Engine):
                 self._mark(f"open {g}")
                 opened[g] = self.source.open_group(self._group_names[g])
                 self._dirty = True  # opening may queue device work (a gather): sync before telling
+                if record:
+                    self._seen_groups[g] = _snapshot(opened[g], self._group_names[g])
                 self._mark(f"opened {g}")
             pair = self._pairs[cid]
             chunk = pair.chunks[i]
@@ -661,6 +725,12 @@ class WeightProducer(_Engine):
         self._release(barrier, opened)
         self._mark("end")
         self._seen_sources = (self._seen_sources[1], set())
+        for pair in self._pairs.values():
+            rec = pair.replay
+            if rec is not None and pair.ring is not None:
+                rec.packs = pair.packs
+                rec.last_seq = max(c.seq for c in pair.chunks)
+                rec.sync = self._syncs if rec.ok and pair.packs <= pair.ring.slots else -1
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=moved,
@@ -668,6 +738,71 @@ class WeightProducer(_Engine):
             path=self.path,
             packed=self._packed,
         )
+
+    @property
+    def _resident(self) -> bool:
+        return bool(getattr(self.source, "resident", False))
+
+    def _replayable(self) -> bool:
+        """READ path: whether every pair's last sync was recorded and the source is resident
+        (opening every group at once costs nothing), so this sync may run as that one."""
+        pairs = [pair for pair in self._pairs.values() if pair.chunks]
+        return (
+            self._read
+            and self._resident
+            and bool(pairs)
+            and all(p.replay is not None and p.replay.sync == self._syncs - 1 for p in pairs)
+        )
+
+    def _unchanged(self, opened: Mapping[int, Mapping[str, torch.Tensor]]) -> bool:
+        """Whether every group hands out the same tensor objects at the same addresses as when
+        the recorded sync opened it (the trainer wrote in place; nothing was swapped)."""
+        for g, tensors in opened.items():
+            seen = self._seen_groups.get(g)
+            objs, ptrs = _snapshot(tensors, self._group_names[g])
+            if seen is None or ptrs != seen[1] or not all(map(operator.is_, objs, seen[0])):
+                return False
+        return True
+
+    def _replay(self, start: float, opened: Mapping[int, Mapping[str, torch.Tensor]]) -> SyncStats:
+        """The steady state: every source is where it was, so every chunk is too. The recorded
+        packs run as one batched copy, each consumer gets one message for the whole sync and
+        answers once it has read everything; no per-chunk work on this side."""
+        self._mark("replay")
+        pairs = [(cid, pair, pair.replay) for cid, pair in self._pairs.items() if pair.replay]
+        dsts = [d for _, _, rec in pairs for d in rec.dsts]
+        srcs = [t for _, _, rec in pairs for t in rec.srcs]
+        if dsts:
+            batched_copy(dsts, srcs)
+            device_synchronize(self.communicator.device)
+        for _, pair, _ in pairs:
+            self.communicator.notify(pair.peer_rank, replay_message(self._syncs))  # type: ignore[attr-defined]
+        self._mark("told")
+        for cid, pair, rec in pairs:
+            self._await_done(cid, pair, rec.last_seq)
+            rec.sync = self._syncs
+        for g in opened:
+            self.source.release_group(self._group_names[g])
+        self._mark("end")
+        return SyncStats(
+            seconds=time.perf_counter() - start,
+            bytes=self._sync_bytes,
+            chunks=len(self._schedule),
+            path=self.path,
+            packed=sum(rec.packs for _, _, rec in pairs),
+            replayed=True,
+        )
+
+    def _await_done(self, cid: int, pair: _Pair, last_seq: int) -> None:
+        """Take consumer ``cid``'s 'done' messages until it has read chunk ``last_seq``."""
+        what = f"producer {self.producer_id} waiting for consumer {cid} to read (replayed sync)"
+        seen = -1
+        while seen < last_seq:
+            msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
+            sync, seq = parse_done(msg, what)
+            if sync != self._syncs or not seen < seq <= last_seq:
+                raise RuntimeError(f"{what}: unexpected 'done' for (sync, seq) {(sync, seq)}")
+            seen = seq
 
     def _serve_push(
         self,
@@ -720,6 +855,8 @@ class WeightProducer(_Engine):
             pair.outbox_packed += 1
         pair.pending.append((chunk.seq, chunk.group))
         pair.outbox_bytes += chunk.nbytes
+        if pair.replay is not None and pair.views[chunk.index].copies:
+            pair.replay.ok = False  # fresh bytes every sync: never replayed
         # announcements double in size up to the limit, and to an eighth of what the pair
         # moves per sync: the consumer starts on the first few MiB, a sync takes a dozen
         # messages, and what is left to read after the last one is small
@@ -783,6 +920,8 @@ class WeightProducer(_Engine):
         if known is None:
             if key not in self._seen_sources[0]:
                 self._seen_sources[1].add(key)
+                if pair.replay is not None:
+                    pair.replay.ok = False  # read in place next sync: not a state to repeat
                 return None
             name = f"wt-src-p{self.producer_id}-{len(self._source_names)}"
             whole = torch.empty(0, dtype=torch.uint8, device=view.device)
@@ -870,6 +1009,9 @@ class WeightProducer(_Engine):
         if defer:
             self._packs[0].extend(plan.dsts)
             self._packs[1].extend(srcs)
+            if pair.replay is not None:
+                pair.replay.dsts.extend(plan.dsts)
+                pair.replay.srcs.extend(srcs)
         else:
             batched_copy(plan.dsts, srcs)
 
@@ -933,6 +1075,13 @@ def _pair_layout(layout: LayoutConfig, strided: bool) -> LayoutConfig:
     if not strided or layout.direct_bytes <= _STRIDED_DIRECT_BYTES:
         return layout
     return replace(layout, direct_bytes=_STRIDED_DIRECT_BYTES)
+
+
+def _snapshot(
+    tensors: Mapping[str, torch.Tensor], names: list[str]
+) -> tuple[list[torch.Tensor], list[int]]:
+    objs = [tensors[n] for n in names]
+    return objs, [t.data_ptr() for t in objs]
 
 
 def _wire(req: Request) -> tuple[int, ...]:
@@ -1000,6 +1149,28 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view (what travels on the wire)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+class _Reposter:
+    """Recorded reads posted through the plain one-sided API, for a communicator without
+    ``prepare_reads``."""
+
+    def __init__(
+        self,
+        comm: Any,
+        peer: int,
+        plain: list[tuple[str, int, torch.Tensor]],
+        strided: list[tuple[str, int, Any, torch.Tensor]],
+    ) -> None:
+        self._comm, self._peer, self._plain, self._strided = comm, peer, plain, strided
+
+    def post(self) -> list[Any]:
+        handles = []
+        if self._plain:
+            handles.append(self._comm.read_batch_async(self._peer, self._plain))
+        if self._strided:
+            handles.append(self._comm.read_strided_async(self._peer, self._strided))
+        return handles
 
 
 def _arrival(barrier: FreeBarrier, g: int) -> Callable[[Any], None]:
@@ -1329,6 +1500,7 @@ class WeightConsumer(_Engine):
         self._mark("sync")
         self._syncs += 1
         self._packed = 0
+        self._replayed = False
         if self._read:
             self._receive_read()
         else:
@@ -1339,6 +1511,7 @@ class WeightConsumer(_Engine):
             chunks=len(self.chunks),
             path=self.path,
             packed=self._packed,
+            replayed=self._replayed,
         )
 
     def _receive_push(self) -> None:
@@ -1363,6 +1536,12 @@ class WeightConsumer(_Engine):
         launch, then 'done up to seq' per producer)."""
         comm = self.communicator
         inbox: dict[int, deque[Any]] = {p: deque() for p in self._pairs}
+        replays = self._start_replays(inbox)
+        for p, pair in self._pairs.items():
+            if p not in replays:  # recorded afresh
+                if pair.replay is not None:
+                    pair.replay.close()
+                pair.replay = _Replay()
         flight: deque[tuple[list[int], list[Any]]] = deque()  # (chunk indices, read handles)
         staged: set[tuple[int, int]] = set()  # (producer, staging slot) holding unread bytes
         finished: dict[int, int] = {}  # producer -> last seq read, not yet reported
@@ -1372,6 +1551,9 @@ class WeightConsumer(_Engine):
             announcements: list[Any] = []
             while nxt < n and len(flight) < _BATCHES_IN_FLIGHT:
                 chunk = self.chunks[nxt]
+                if chunk.producer in replays:
+                    nxt += 1  # read as a whole, below
+                    continue
                 if not self._announced(chunk, inbox, block=not flight and not batch):
                     break
                 slot = (chunk.producer, self._stage_slot[nxt])
@@ -1388,8 +1570,79 @@ class WeightConsumer(_Engine):
             if flight:
                 self._complete(flight, staged, finished)
         self._report(finished)
+        self._finish_replays(replays)
         device_synchronize(comm.device)
+        self._replayed = bool(replays) and len(replays) == len(self._pairs)
+        for p, pair in self._pairs.items():
+            rec = pair.replay
+            if p not in replays and rec is not None and pair.chunks:
+                rec.last_seq = max(c.seq for c in pair.chunks)
+                rec.sync = self._syncs if rec.ok else -1
         self._mark("end")
+
+    def _start_replays(self, inbox: dict[int, deque[Any]]) -> dict[int, list[Any]]:
+        """Post the recorded reads of every producer whose first message says the sync is a
+        replay of the last (taken in producer order while that holds; any other message goes to
+        the inbox and the rest is read chunk by chunk). Returns producer -> read handles."""
+        started: dict[int, list[Any]] = {}
+        for p, pair in self._pairs.items():
+            rec = pair.replay
+            if rec is None or rec.sync != self._syncs - 1:
+                break
+            what = f"consumer {self.consumer_id} <- producer {p} (sync {self._syncs})"
+            msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
+            if parse_replay(msg) is None:
+                self._take_message(p, msg, inbox, what)
+                break
+            self._check_replay(msg, what)
+            if rec.prepared is None:
+                rec.prepared = self._prepare_reads(pair.peer_rank, rec)
+            self._mark(f"replay {pair.peer_rank}")
+            posted = rec.prepared.post()
+            started[p] = posted if isinstance(posted, list) else [posted]
+        return started
+
+    def _prepare_reads(self, peer: int, rec: _Replay) -> Any:
+        prepare = getattr(self.communicator, "prepare_reads", None)
+        if prepare is not None:
+            return prepare(peer, rec.plain, rec.strided)
+        return _Reposter(self.communicator, peer, rec.plain, rec.strided)
+
+    def _finish_replays(self, started: dict[int, list[Any]]) -> None:
+        """Wait for the replayed reads, unpack what was staged, tell each producer."""
+        for p, handles in started.items():
+            pair = self._pairs[p]
+            rec = pair.replay
+            assert rec is not None
+            what = f"consumer {self.consumer_id}: replayed reads from producer {p}"
+            for handle in handles:
+                wait_read(handle, self.config.stall_timeout, what)
+            if rec.dsts:
+                batched_copy(rec.dsts, rec.srcs)
+                self._packed += rec.packs
+            done = done_message(self._syncs, rec.last_seq)
+            self.communicator.notify(pair.peer_rank, done)  # type: ignore[attr-defined]
+            rec.sync = self._syncs
+
+    def _check_replay(self, msg: bytes, what: str) -> None:
+        if parse_replay(msg) != self._syncs:
+            raise RuntimeError(f"{what}: replay message for sync {parse_replay(msg)}")
+
+    def _take_message(self, p: int, msg: bytes, inbox: dict[int, deque[Any]], what: str) -> None:
+        """Queue the announcements of producer ``p``'s message; a replay message stands for
+        the last sync's announcements (this consumer kept them), read chunk by chunk."""
+        if parse_replay(msg) is not None:
+            self._check_replay(msg, what)
+            anns = [self._announced_as[c.index] for c in self._pairs[p].chunks]
+            if any(a is None for a in anns):
+                raise RuntimeError(f"{what}: a replay, but no earlier sync was read in full here")
+            inbox[p].extend((self._syncs, *a[1:5], None, a[6]) for a in anns)
+            return
+        announced = parse_ready(msg, what)
+        for ann in announced:
+            if ann[5] is not None:  # a source exposed for us: addressable from now on
+                self.communicator.import_exposed(ann[5])  # type: ignore[attr-defined]
+        inbox[p].extend(announced)
 
     def _announced(self, chunk: Chunk, inbox: dict[int, deque[Any]], *, block: bool) -> bool:
         """Whether ``chunk``'s announcement is in the inbox, fetching messages (waiting for
@@ -1409,11 +1662,7 @@ class WeightConsumer(_Engine):
                 if msg is None:
                     return False
             assert msg is not None
-            announced = parse_ready(msg, what)
-            for ann in announced:
-                if ann[5] is not None:  # a source exposed for us: addressable from now on
-                    self.communicator.import_exposed(ann[5])  # type: ignore[attr-defined]
-            queue.extend(announced)
+            self._take_message(chunk.producer, msg, inbox, what)
         return True
 
     def _pull(self, batch: list[int], announcements: list[Any]) -> list[Any]:
@@ -1432,11 +1681,16 @@ class WeightConsumer(_Engine):
                     f"{(self._syncs, chunk.seq, chunk.nbytes)}"
                 )
             route = self._route(j, ann)
+            rec = self._pairs[chunk.producer].replay
+            assert rec is not None
             if route is not None:
                 strided.setdefault(chunk.producer, []).append(route[:4])
+                rec.strided.append(route[:4])
                 continue
             remote = self._pairs[chunk.producer].remote_name if source is None else source
-            by_producer.setdefault(chunk.producer, []).append((remote, offset, self._target(j)))
+            request = (remote, offset, self._target(j))
+            by_producer.setdefault(chunk.producer, []).append(request)
+            rec.plain.append(request)
         handles = [
             comm.read_batch_async(self._pairs[p].peer_rank, requests)
             for p, requests in by_producer.items()
@@ -1512,7 +1766,16 @@ class WeightConsumer(_Engine):
                 views = self._unpack_plan(j)
                 dsts += views[0]
                 srcs += views[1]
-                staged.discard((chunk.producer, self._stage_slot[j]))
+                slot = (chunk.producer, self._stage_slot[j])
+                staged.discard(slot)
+                rec = self._pairs[chunk.producer].replay
+                assert rec is not None
+                rec.dsts += views[0]
+                rec.srcs += views[1]
+                rec.packs += 1
+                # replayed, every unpack runs after every read: each needs a slot of its own
+                rec.ok = rec.ok and slot not in rec.slots
+                rec.slots.add(slot)
         if dsts:
             batched_copy(dsts, srcs)
             self._mark(f"unpacked {len(dsts)}")

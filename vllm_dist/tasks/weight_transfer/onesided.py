@@ -28,6 +28,10 @@ with the number of chunks or names (measured before batching: about 250 µs per 
 H200). Every wait is bounded by the stall timeout, so a dead peer ends the sync on the other
 side with ``TransferStallError``.
 
+A sync whose every chunk is where the previous sync announced it (the trainer wrote in place) is
+one ``replay_message`` per consumer instead of its announcements; the consumer answers with one
+'done' for the pair's last chunk (see the engine's "Steady state").
+
 Rejected alternative: producers WRITE into consumer buffers (push). The producer's thread would
 move every byte for every consumer, where here it only packs what is not contiguous and each
 consumer moves its own bytes, overlapped with its unpacking.
@@ -120,6 +124,7 @@ class StridedReadCommunicator(Protocol):
 
 
 _DONE = struct.Struct("<cqq")  # b"D", sync, seq: every chunk of the pair up to seq is read
+_REPLAY = struct.Struct("<cq")  # b"P", sync: every chunk is where the previous sync had it
 
 Announcement = tuple[int, int, int, int, "str | None", Any, "tuple[int, ...] | None"]
 """(sync, seq, offset, nbytes, source, descriptor, strides): chunk ``seq`` is ready at byte
@@ -141,6 +146,19 @@ def ready_message(announcements: Sequence[Announcement]) -> bytes:
 
 def done_message(sync: int, seq: int) -> bytes:
     return _DONE.pack(b"D", sync, seq)
+
+
+def replay_message(sync: int) -> bytes:
+    """'Sync ``sync`` is ready, every chunk where the previous sync announced it': the whole
+    sync in one message (see ``WeightProducer``'s steady state)."""
+    return _REPLAY.pack(b"P", sync)
+
+
+def parse_replay(msg: bytes) -> int | None:
+    """The sync of a replay message, or None for any other message."""
+    if len(msg) != _REPLAY.size or msg[:1] != b"P":
+        return None
+    return int(_REPLAY.unpack(msg)[1])
 
 
 def parse_ready(msg: bytes, what: str) -> list[Announcement]:

@@ -61,6 +61,14 @@ class WeightSource(ABC):
     def release_group(self, names: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Every consumer has the group's bytes: memory gathered for it may be freed."""
 
+    @property
+    def resident(self) -> bool:
+        """Whether ``open_group`` hands out tensors that live anyway (no gather, no copy), so
+        that opening every group at once costs no memory. A resident source lets the READ path
+        check at the start of a sync that every tensor is the one of the last sync, at the same
+        address, and then run the whole sync as the last one (one message per consumer)."""
+        return False
+
     def iter_groups(self) -> Iterable[Mapping[str, torch.Tensor]]:
         """The held tensors, one gather group at a time (for callers outside the engine)."""
         held = self.held_names()
@@ -139,6 +147,10 @@ class StateDictSource(WeightSource):
     def begin_sync(self) -> None:
         """Re-read the module's state dict (a trainer may have replaced parameters)."""
         self._tensors = {}
+
+    @property
+    def resident(self) -> bool:
+        return True
 
 
 def stage_names(names: Sequence[str], num_stages: int, stage: int) -> list[str]:
