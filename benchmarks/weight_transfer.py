@@ -10,8 +10,8 @@ own transfer of one preallocated tensor (a one-sided READ when the sync used the
 else ``send``/``recv``, all consumers at once): that is the raw p2p baseline. The weights change
 before the first and the last sync; both are checked byte for byte unless ``--no-verify``.
 From the third sync on, the model's tensors being where they were, each sync is a replay of
-the last (one message per consumer; see ``WeightProducer``); "chunkwise ms" is the second
-sync, read chunk by chunk as a trainer that moves its storage would get.
+the last (one message per consumer; the engine's "Steady state"); ``--no-replay`` measures the
+chunk-by-chunk path instead, which a trainer that moves its storage every step would get.
 A many-tensors case (``--many``: 100,000 small expert tensors, like a large MoE) measures
 set-up (bake + plan) time and per-sync overhead with many names.
 
@@ -248,6 +248,7 @@ def run_case(
         direct_bytes=args.direct_kib << 10,
         announce_bytes=args.announce_mib << 20,
         strided_reads={"auto": None, "on": True, "off": False}[args.strided],
+        replay=not args.no_replay,
     )
     # one intra-op thread per worker, as torchrun sets: workers share the cores
     env = {"OMP_NUM_THREADS": str(args.threads)}
@@ -292,9 +293,7 @@ def run_case(
             f"{r['role']} {r['index']}": r["syncs"][-1]["packed"] for r in results
         },
         "sync_s": sync_s,
-        # sync 2 reads every chunk in place, announced one by one (what a trainer that moves its
-        # storage gets); from sync 3 on a resident source's syncs are replays of it
-        "chunkwise_s": per_sync[1] if len(per_sync) > 1 else per_sync[0],
+        "replay": not args.no_replay,
         "sync_all_s": per_sync,
         "gb_s": moved / sync_s / 1e9,
         "raw_s": raw_s,
@@ -361,6 +360,11 @@ def main() -> None:
     )
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="TransferConfig(replay=False): every sync chunk by chunk, steady state included",
+    )
+    ap.add_argument(
         "--trace", action="store_true", help="record the last sync's event timeline per rank"
     )
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each worker")
@@ -387,7 +391,6 @@ def main() -> None:
         "chunks",
         "sync ms",
         "replay",
-        "chunkwise ms",
         "GB/s",
         "raw GB/s",
         "ratio",
@@ -408,7 +411,6 @@ def main() -> None:
                 r["chunks"],
                 r["sync_s"] * 1e3,
                 r["replayed_last_sync"],
-                r["chunkwise_s"] * 1e3,
                 r["gb_s"],
                 r["raw_gb_s"],
                 r["ratio"],

@@ -71,6 +71,7 @@ CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 # notification kinds (first byte); the rest is a pickled payload
 _READY, _DONE, _ERROR, _USER = b"R", b"D", b"E", b"U"
 _BATCH_COPY_BYTES = 1 << 20  # CUDA IPC pieces below this share one batched copy launch
+_SOLO_COPY_BYTES = 16 << 20  # prepared CUDA IPC copies below this share batched launches
 _MAX_PREPARED = 1 << 16  # CUDA IPC copy views kept for reuse (a weight sync repeats its reads)
 _MAX_RUNS = 1 << 20  # descriptors one strided read may take through NIXL
 
@@ -435,20 +436,30 @@ class _PreparedCopies(PreparedReads):
         graphs: bool,
     ) -> None:
         super().__init__(comm, peer, f"prepared READ of rank {peer}'s buffers through CUDA IPC")
-        self._big = [(d, s) for d, s, n in copies if n >= _BATCH_COPY_BYTES]
-        self._small = (
-            [d for d, _, n in copies if 0 < n < _BATCH_COPY_BYTES],
-            [s for _, s, n in copies if 0 < n < _BATCH_COPY_BYTES],
-        )
+        # one kernel per strided or very large copy; every other one joins a batched launch of
+        # its width (contiguous bytes seen as int64 where aligned: 8 bytes per element moved)
+        self._solo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for dst, src, n in copies:
+            if not n:
+                continue
+            if n >= _SOLO_COPY_BYTES or not (dst.is_contiguous() and src.is_contiguous()):
+                self._solo.append((dst, src))
+                continue
+            d, s = _widest_bytes(dst, src, n)
+            lists = batches.setdefault(d.dtype, ([], []))
+            lists[0].append(d)
+            lists[1].append(s)
+        self._batches = list(batches.values())
         self._graphs = graphs and bool(copies)
         self._graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None  # why recording a graph failed, if it did
 
     def _run(self) -> None:
-        for dst, src in self._big:
+        for dst, src in self._solo:
             dst.copy_(src, non_blocking=True)
-        if self._small[0]:
-            torch._foreach_copy_(self._small[0], self._small[1], non_blocking=True)
+        for dsts, srcs in self._batches:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
     def _record(self) -> None:
         device = self._comm._device
@@ -495,7 +506,21 @@ class _PreparedCopies(PreparedReads):
 
     def close(self) -> None:
         self._graph = None
-        self._big, self._small = [], ([], [])
+        self._solo, self._batches = [], []
+
+
+def _widest_bytes(
+    dst: torch.Tensor, src: torch.Tensor, nbytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``nbytes`` of two contiguous tensors as flat views of the widest integer type
+    that their addresses and length allow."""
+    d = dst.reshape(-1).view(torch.uint8)[:nbytes]
+    s = src.reshape(-1).view(torch.uint8)[:nbytes]
+    for wide in (torch.int64, torch.int32, torch.int16):
+        size = wide.itemsize
+        if nbytes % size == 0 and d.data_ptr() % size == 0 and s.data_ptr() % size == 0:
+            return d.view(wide), s.view(wide)
+    return d, s
 
 
 class _PreparedXfer(PreparedReads):

@@ -150,6 +150,10 @@ class TransferConfig:
             them (see ``onesided.py``). None (auto): where the consumer's communicator maps its
             peers' memory (CUDA IPC on one node). True: also through NIXL, one descriptor per
             contiguous run (a weight row). False: never.
+        replay: READ path, producers with a resident source. A sync in which every tensor is
+            where it was last sync runs as a replay of that sync: one message per consumer, no
+            per-chunk work (module docstring, "Steady state"). False: every sync chunk by
+            chunk.
     """
 
     ring_slots: int = 2
@@ -162,6 +166,7 @@ class TransferConfig:
     announce_bytes: int = 0
     transport: str = "auto"
     strided_reads: bool | None = None
+    replay: bool = True
 
     def __post_init__(self) -> None:
         self.layout()  # validates the layout fields
@@ -690,9 +695,13 @@ class WeightProducer(_Engine):
         if self._read and self.communicator.device.type == "cuda":
             torch.cuda.synchronize(self.communicator.device)  # the trainer's writes, any stream
         if self._replayable():
+            # the recorded packs go first (the ring is free: the last sync was read in full)
+            # and run on the device while the sources are checked; wasted only if one moved
+            packed = self._replay_packs()
             every = {g: self.source.open_group(self._group_names[g]) for g in self._group_order}
+            self._mark("opened")
             if self._unchanged(every):
-                return self._replay(start, every)
+                return self._replay(start, every, packed)
             for g in self._group_order:
                 self.source.release_group(self._group_names[g])
         record = self._read and self._resident
@@ -749,6 +758,7 @@ class WeightProducer(_Engine):
         pairs = [pair for pair in self._pairs.values() if pair.chunks]
         return (
             self._read
+            and self.config.replay
             and self._resident
             and bool(pairs)
             and all(p.replay is not None and p.replay.sync == self._syncs - 1 for p in pairs)
@@ -764,16 +774,23 @@ class WeightProducer(_Engine):
                 return False
         return True
 
-    def _replay(self, start: float, opened: Mapping[int, Mapping[str, torch.Tensor]]) -> SyncStats:
+    def _replay_packs(self) -> bool:
+        """Launch every pair's recorded packs as one batched copy; whether there were any."""
+        recs = [pair.replay for pair in self._pairs.values() if pair.replay]
+        dsts = [d for rec in recs for d in rec.dsts]
+        if dsts:
+            batched_copy(dsts, [t for rec in recs for t in rec.srcs])
+        return bool(dsts)
+
+    def _replay(
+        self, start: float, opened: Mapping[int, Mapping[str, torch.Tensor]], packed: bool
+    ) -> SyncStats:
         """The steady state: every source is where it was, so every chunk is too. The recorded
-        packs run as one batched copy, each consumer gets one message for the whole sync and
+        packs ran as one batched copy, each consumer gets one message for the whole sync and
         answers once it has read everything; no per-chunk work on this side."""
         self._mark("replay")
         pairs = [(cid, pair, pair.replay) for cid, pair in self._pairs.items() if pair.replay]
-        dsts = [d for _, _, rec in pairs for d in rec.dsts]
-        srcs = [t for _, _, rec in pairs for t in rec.srcs]
-        if dsts:
-            batched_copy(dsts, srcs)
+        if packed:
             device_synchronize(self.communicator.device)
         for _, pair, _ in pairs:
             self.communicator.notify(pair.peer_rank, replay_message(self._syncs))  # type: ignore[attr-defined]
@@ -1617,6 +1634,7 @@ class WeightConsumer(_Engine):
             what = f"consumer {self.consumer_id}: replayed reads from producer {p}"
             for handle in handles:
                 wait_read(handle, self.config.stall_timeout, what)
+            self._mark("read done")
             if rec.dsts:
                 batched_copy(rec.dsts, rec.srcs)
                 self._packed += rec.packs
