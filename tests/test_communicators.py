@@ -106,3 +106,42 @@ def test_widest_views_and_batched_copy() -> None:
         assert torch.equal(out.view(torch.int16), src.view(torch.int16))
     assert torch.equal(outs[3][:5].view(torch.int16), srcs[3].view(torch.int16))
     assert torch.equal(transposed.t().view(torch.int16), cols.view(torch.int16))
+
+
+def _copy_program_case(device: str) -> None:
+    from vllm_dist.implementations.communicators.common import SOLO_COPY_BYTES, CopyProgram
+
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randint(-(1 << 15), 1 << 15, (64, 96), dtype=torch.int16, generator=gen)
+    full = full.to(device)
+    raw = torch.randint(0, 256, (SOLO_COPY_BYTES + 4096,), dtype=torch.uint8, generator=gen)
+    raw = raw.to(device)
+    srcs = [
+        full[:, 32:64],  # strided: a kernel of its own, widened
+        full[:, :32].contiguous(),  # contiguous int16: batched as int64
+        raw[1:334],  # misaligned, odd length: batched as bytes
+        raw[:SOLO_COPY_BYTES],  # large: its own kernel
+        full.view(torch.bfloat16)[:5, 7:39],  # strided, no wider type fits
+        full[0, :0],  # empty: skipped
+    ]
+    dsts = [torch.zeros_like(s, memory_format=torch.contiguous_format) for s in srcs]
+    dsts[4] = torch.zeros(39, 5, dtype=torch.bfloat16, device=device)[7:].t()  # transposed
+    program = CopyProgram(dsts, srcs)
+    for step in range(3):
+        program.run()
+        for d, s in zip(dsts, srcs, strict=True):
+            assert torch.equal(d.cpu(), s.cpu()), (step, s.shape)
+        full.add_(1)  # new contents, same places: the next run copies them
+        raw.add_(1)
+    assert program.graphed is (device != "cpu") and program.graph_error is None
+    program.close()
+
+
+def test_copy_program_cpu() -> None:
+    _copy_program_case("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
+def test_copy_program_cuda_graph() -> None:
+    _copy_program_case("cuda")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -120,3 +121,106 @@ def batched_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     for pair in (fast, slow):
         if pair[0]:
             torch._foreach_copy_(*pair)
+
+
+SOLO_COPY_BYTES = 16 << 20  # a contiguous copy this large gets a kernel of its own
+
+
+class CopyProgram:
+    """A fixed list of copies (``dst.copy_(src)`` per pair), run again and again.
+
+    Planned once: a strided pair or a contiguous one of ``SOLO_COPY_BYTES`` and up is a kernel
+    of its own (strided ones widened, ``widest_views``); every other contiguous pair joins a
+    batched launch (``_foreach_copy_``) of its width, its bytes seen as int64 where aligned.
+    On CUDA with ``graph``, the launches are recorded into a CUDA graph at the first ``run``,
+    so each later run costs one launch however many pairs it copies (100,000 expert slices
+    included). The tensors must stay where they are while the program is used.
+    """
+
+    def __init__(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, graph: bool = True
+    ) -> None:
+        self._solo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        device = None
+        for dst, src in zip(dsts, srcs, strict=True):
+            nbytes = dst.numel() * dst.element_size()
+            if not nbytes:
+                continue
+            device = dst.device
+            if nbytes >= SOLO_COPY_BYTES or not (dst.is_contiguous() and src.is_contiguous()):
+                self._solo.append(widest_views(dst, src))
+                continue
+            d, s = _widest_bytes(dst, src, nbytes) if dst.dtype == src.dtype else (dst, src)
+            lists = batches.setdefault(d.dtype, ([], []))
+            lists[0].append(d)
+            lists[1].append(s)
+        self._batches = list(batches.values())
+        self._device = device
+        self._want_graph = graph and device is not None and device.type == "cuda"
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self.graph_error: str | None = None  # why recording a graph failed, if it did
+
+    @property
+    def graphed(self) -> bool:
+        """Whether ``run`` replays a CUDA graph."""
+        return self._graph is not None
+
+    def run(self) -> None:
+        """Queue the copies on the current stream (on the CPU: do them)."""
+        if self._graph is None and self._want_graph:
+            self._record()
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._launch()
+
+    def _launch(self) -> None:
+        for dst, src in self._solo:
+            dst.copy_(src, non_blocking=True)
+        for dsts, srcs in self._batches:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+    def _record(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(self._device)
+        current = torch.cuda.current_stream(self._device)
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._launch()
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - the copies still run, launched one by one
+            self._want_graph = False
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"recording {len(self._solo) + len(self._batches)} copy launches into a CUDA "
+                f"graph failed ({self.graph_error}); they are launched one by one instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        finally:
+            current.wait_stream(stream)
+        self._graph = graph
+
+    def close(self) -> None:
+        self._graph = None
+        self._solo, self._batches = [], []
+
+
+def _widest_bytes(
+    dst: torch.Tensor, src: torch.Tensor, nbytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two contiguous tensors of ``nbytes`` as flat views of the widest integer type that their
+    addresses and length allow."""
+    d = dst.reshape(-1).view(torch.uint8)
+    s = src.reshape(-1).view(torch.uint8)
+    for wide in (torch.int64, torch.int32, torch.int16):
+        size = wide.itemsize
+        if nbytes % size == 0 and d.data_ptr() % size == 0 and s.data_ptr() % size == 0:
+            return d.view(wide), s.view(wide)
+    return d, s

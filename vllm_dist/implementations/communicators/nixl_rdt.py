@@ -41,7 +41,6 @@ import pickle
 import threading
 import time
 import uuid
-import warnings
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ import numpy as np
 import torch
 
 from vllm_dist.implementations.communicators.common import (
+    CopyProgram,
     check_tensor,
     default_device,
     widest_views,
@@ -71,7 +71,6 @@ CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 # notification kinds (first byte); the rest is a pickled payload
 _READY, _DONE, _ERROR, _USER = b"R", b"D", b"E", b"U"
 _BATCH_COPY_BYTES = 1 << 20  # CUDA IPC pieces below this share one batched copy launch
-_SOLO_COPY_BYTES = 16 << 20  # prepared CUDA IPC copies below this share batched launches
 _MAX_PREPARED = 1 << 16  # CUDA IPC copy views kept for reuse (a weight sync repeats its reads)
 _MAX_RUNS = 1 << 20  # descriptors one strided read may take through NIXL
 
@@ -425,7 +424,7 @@ class PreparedReads:
 
 
 class _PreparedCopies(PreparedReads):
-    """Copy kernels on CUDA IPC mappings, recorded into a CUDA graph at the first post."""
+    """Copy kernels on CUDA IPC mappings, one ``CopyProgram`` (a CUDA graph at the first post)."""
 
     def __init__(
         self,
@@ -436,65 +435,11 @@ class _PreparedCopies(PreparedReads):
         graphs: bool,
     ) -> None:
         super().__init__(comm, peer, f"prepared READ of rank {peer}'s buffers through CUDA IPC")
-        # one kernel per strided or very large copy; every other one joins a batched launch of
-        # its width (contiguous bytes seen as int64 where aligned: 8 bytes per element moved)
-        self._solo: list[tuple[torch.Tensor, torch.Tensor]] = []
-        batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for dst, src, n in copies:
-            if not n:
-                continue
-            if n >= _SOLO_COPY_BYTES or not (dst.is_contiguous() and src.is_contiguous()):
-                self._solo.append((dst, src))
-                continue
-            d, s = _widest_bytes(dst, src, n)
-            lists = batches.setdefault(d.dtype, ([], []))
-            lists[0].append(d)
-            lists[1].append(s)
-        self._batches = list(batches.values())
-        self._graphs = graphs and bool(copies)
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self.graph_error: str | None = None  # why recording a graph failed, if it did
-
-    def _run(self) -> None:
-        for dst, src in self._solo:
-            dst.copy_(src, non_blocking=True)
-        for dsts, srcs in self._batches:
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-
-    def _record(self) -> None:
-        device = self._comm._device
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(device)
-        current = torch.cuda.current_stream(device)
-        stream.wait_stream(current)
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._run()
-                finally:
-                    graph.capture_end()
-        except Exception as exc:  # noqa: BLE001 - copies still run, launched one by one
-            self._graphs = False
-            self.graph_error = f"{type(exc).__name__}: {exc}"
-            warnings.warn(
-                f"{self._what}: recording a CUDA graph failed ({self.graph_error}); the copies "
-                "are launched one by one instead (NixlOptions(cuda_graphs=False) skips the try)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return
-        finally:
-            current.wait_stream(stream)
-        self._graph = graph
+        pairs = [(d, s) for d, s, n in copies if n]  # byte views are sliced to n already
+        self._program = CopyProgram([d for d, _ in pairs], [s for _, s in pairs], graph=graphs)
 
     def _post(self) -> NixlTransfer:
-        if self._graph is None and self._graphs:
-            self._record()
-        if self._graph is not None:
-            self._graph.replay()
-        else:
-            self._run()
+        self._program.run()
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self._comm._device))
         self._comm._last_backend = "cuda_ipc"
@@ -502,25 +447,14 @@ class _PreparedCopies(PreparedReads):
 
     @property
     def graphed(self) -> bool:
-        return self._graph is not None
+        return self._program.graphed
+
+    @property
+    def graph_error(self) -> str | None:
+        return self._program.graph_error
 
     def close(self) -> None:
-        self._graph = None
-        self._solo, self._batches = [], []
-
-
-def _widest_bytes(
-    dst: torch.Tensor, src: torch.Tensor, nbytes: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``nbytes`` of two contiguous tensors as flat views of the widest integer type
-    that their addresses and length allow."""
-    d = dst.reshape(-1).view(torch.uint8)[:nbytes]
-    s = src.reshape(-1).view(torch.uint8)[:nbytes]
-    for wide in (torch.int64, torch.int32, torch.int16):
-        size = wide.itemsize
-        if nbytes % size == 0 and d.data_ptr() % size == 0 and s.data_ptr() % size == 0:
-            return d.view(wide), s.view(wide)
-    return d, s
+        self._program.close()
 
 
 class _PreparedXfer(PreparedReads):

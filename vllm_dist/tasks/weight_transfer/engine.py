@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_dist.implementations.communicators.common import batched_copy
+from vllm_dist.implementations.communicators.common import CopyProgram, batched_copy
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.onesided import (
@@ -264,9 +264,9 @@ class _Pair:
 class _Replay:
     """One pair's last sync, kept so that the next can run as a whole (``replay_message``).
 
-    Producer: the packs it made (``dsts``, ``srcs``); consumer: the reads it posted (``plain``,
-    ``strided``), the unpacks behind them, and the prepared set of reads built from them at the
-    first replay. ``sync``: the sync it describes, or -1 while it is being recorded or when that
+    Producer: the packs it made (``dsts``, ``srcs``), run as one ``CopyProgram`` from the first
+    replay on; consumer: the reads it posted (``plain``, ``strided``) and the unpacks behind
+    them, prepared at the first replay (a prepared set of reads, a ``CopyProgram``). ``sync``: the sync it describes, or -1 while it is being recorded or when that
     sync cannot be replayed (a chain that copies; more packs or staged chunks than ring slots).
     """
 
@@ -278,13 +278,15 @@ class _Replay:
     srcs: list[torch.Tensor] = field(default_factory=list)
     plain: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
     strided: list[tuple[str, int, Any, torch.Tensor]] = field(default_factory=list)
-    prepared: Any = None
+    prepared: Any = None  # producer: a CopyProgram of the packs; consumer: the prepared reads
+    unpack: CopyProgram | None = None  # consumer: the unpacks
     slots: set[tuple[int, int]] = field(default_factory=set)  # consumer: staging slots used
 
     def close(self) -> None:
-        if self.prepared is not None and hasattr(self.prepared, "close"):
-            self.prepared.close()
-        self.prepared = None
+        for program in (self.prepared, self.unpack):
+            if program is not None and hasattr(program, "close"):
+                program.close()
+        self.prepared = self.unpack = None
 
 
 def _gather_verdicts(coordinator: WorkerCoordinator, error: BaseException | None) -> None:
@@ -775,12 +777,17 @@ class WeightProducer(_Engine):
         return True
 
     def _replay_packs(self) -> bool:
-        """Launch every pair's recorded packs as one batched copy; whether there were any."""
-        recs = [pair.replay for pair in self._pairs.values() if pair.replay]
-        dsts = [d for rec in recs for d in rec.dsts]
-        if dsts:
-            batched_copy(dsts, [t for rec in recs for t in rec.srcs])
-        return bool(dsts)
+        """Launch every pair's recorded packs (a ``CopyProgram`` each: one CUDA graph on a
+        GPU); whether there were any."""
+        packed = False
+        for pair in self._pairs.values():
+            rec = pair.replay
+            if rec is not None and rec.dsts:
+                if rec.prepared is None:
+                    rec.prepared = CopyProgram(rec.dsts, rec.srcs)
+                rec.prepared.run()
+                packed = True
+        return packed
 
     def _replay(
         self, start: float, opened: Mapping[int, Mapping[str, torch.Tensor]], packed: bool
@@ -1636,7 +1643,9 @@ class WeightConsumer(_Engine):
                 wait_read(handle, self.config.stall_timeout, what)
             self._mark("read done")
             if rec.dsts:
-                batched_copy(rec.dsts, rec.srcs)
+                if rec.unpack is None:
+                    rec.unpack = CopyProgram(rec.dsts, rec.srcs)
+                rec.unpack.run()
                 self._packed += rec.packs
             done = done_message(self._syncs, rec.last_seq)
             self.communicator.notify(pair.peer_rank, done)  # type: ignore[attr-defined]
