@@ -25,7 +25,9 @@ from vllm_dist import (
     GlobalCoordinatorDistributedTask,
     LaunchError,
     MPLauncher,
+    register_communicator,
 )
+from vllm_dist.implementations.communicators.nixl_rdt import NixlRdtCommunicator
 from vllm_dist.tasks.weight_transfer import (
     ALLOWED_OPS,
     RDT_MIN_RAY_VERSION,
@@ -1111,3 +1113,30 @@ def test_read_path_steady_state_replays_one_gpu(shapes: dict[str, Any]) -> None:
     )
     _assert_verified(results, 5)
     assert _replayed(results) == [[False, False, True, True, True]] * 3
+
+
+class PlainOneSided(NixlRdtCommunicator):
+    """A one-sided plugin without ``prepare_reads``: replays post the recorded reads through
+    ``read_batch_async`` / ``read_strided_async`` every sync."""
+
+    prepare_reads = None  # type: ignore[assignment]
+
+
+register_communicator("test_plain_one_sided", PlainOneSided, override=True)
+
+
+@distributed_test(timeout=150)
+def test_replay_without_prepared_reads(shapes: dict[str, Any]) -> None:
+    _needs_nixl()
+    results = _launch(
+        3,
+        comm="test_plain_one_sided",  # type: ignore[arg-type]
+        communicator_options={"timeout": 30.0},
+        num_producers=1,
+        num_consumers=2,
+        syncs=4,
+        shapes=shapes,
+        config=_STEADY,
+    )
+    _assert_verified(results, 4)
+    assert _replayed(results) == [[False, False, True, True]] * 3
