@@ -222,6 +222,17 @@ def test_cli_weight_transfer_demo(capsys) -> None:
     assert "verified           True" in out
 
 
+@distributed_test(timeout=180)
+def test_cli_weight_transfer_demo_nixl(capsys) -> None:
+    pytest.importorskip("nixl", reason="needs the nixl package (pip install 'vllm_dist[nixl]')")
+    argv = ["run", "weight-transfer", "--consumers", "2", "--syncs", "4"]
+    rc = cli_main([*argv, "--communicator", "nixl_rdt"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "verified           True" in out and "path               read" in out
+    assert "replayed           False, False, True, True" in out
+
+
 def test_cli_unknown_backend_is_a_clear_error(capsys) -> None:
     rc = cli_main(["run", "all-reduce", "--communicator", "carrier_pigeon"])
     err = capsys.readouterr().err

@@ -118,11 +118,12 @@ def cmd_weight_transfer(args: argparse.Namespace) -> int:
         syncs=args.syncs,
         tp_size=args.tp_size,
         timeout=args.timeout,
+        communicator=args.communicator,
     )
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
-        print("weight transfer (tiny Llama, tensor-parallel consumers, CPU)")
+        print(f"weight transfer (tiny Llama, tensor-parallel consumers, CPU, {args.communicator})")
         for key, value in summary.items():
             print(f"  {key:<18} {_fmt(value)}")
     return 0 if summary.get("verified") else 1
@@ -218,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     wt.add_argument("--syncs", type=int, default=3, help="weight updates to push and verify")
     wt.add_argument("--tp-size", type=int, default=2, help="tensor-parallel size of each replica")
     wt.add_argument("--timeout", type=float, default=300.0)
+    wt.add_argument(
+        "--communicator",
+        default="torch_distributed",
+        choices=["torch_distributed", "nixl_rdt"],
+        help="send/recv over torch.distributed, or one-sided READs over NIXL (replayed syncs)",
+    )
     wt.add_argument("--json", action="store_true")
     wt.set_defaults(func=cmd_weight_transfer)
 

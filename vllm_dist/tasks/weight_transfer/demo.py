@@ -110,24 +110,30 @@ def run_demo(
     model_config: dict[str, Any] | None = None,
     config: TransferConfig | None = None,
     timeout: float = 300.0,
+    communicator: str = "torch_distributed",
     **launcher_kwargs: Any,
 ) -> dict[str, Any]:
-    """Launch a demo fleet on this machine (CPU, torch.distributed) and summarise it.
+    """Launch a demo fleet on this machine (CPU) and summarise it.
 
-    Returns ``{"producers", "consumers", "syncs", "bytes_per_sync", "seconds_per_sync",
-    "gb_per_s", "setup_seconds", "verified", "path"}``; bytes are what consumers received.
+    ``communicator``: ``"torch_distributed"`` (the send/recv path) or ``"nixl_rdt"`` (one-sided
+    READs; from the third sync on, whole syncs are replayed). Returns ``{"producers",
+    "consumers", "syncs", "bytes_per_sync", "seconds_per_sync", "replayed", "gb_per_s",
+    "setup_seconds", "verified", "path"}``; bytes are what consumers received.
     """
     from vllm_dist import CommunicatorType, CoordinatorType, MPLauncher
 
     if consumers % tp_size:
         raise ValueError(f"consumers={consumers} must be a multiple of tp_size={tp_size}")
+    comm = CommunicatorType(communicator)
+    if config is None and comm == CommunicatorType.NIXL_RDT:  # a ring deep enough to replay
+        config = TransferConfig(workers_per_replica=tp_size, ring_slots=64, direct_bytes=4096)
     config = config or TransferConfig(workers_per_replica=tp_size)
     launcher = MPLauncher(producers + consumers, timeout=timeout, **launcher_kwargs)
     start = time.perf_counter()
     results = launcher.launch(
         task_type=LlamaTransferTask,
         coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
-        communicator_type=CommunicatorType.TORCH_DISTRIBUTED,
+        communicator_type=comm,
         device="cpu",
         num_producers=producers,
         num_consumers=consumers,
@@ -155,6 +161,7 @@ def summarize(results: list[dict[str, Any]], wall_seconds: float = 0.0) -> dict[
         "syncs": syncs,
         "bytes_per_sync": moved,
         "seconds_per_sync": per_sync,
+        "replayed": [all(r["syncs"][s].get("replayed") for r in results) for s in range(syncs)],
         "gb_per_s": moved / best / 1e9 if best else 0.0,
         "setup_seconds": max(r["setup_seconds"] for r in results),
         "verified": verified,

@@ -706,12 +706,16 @@ class WeightProducer(_Engine):
                 return self._replay(start, every, packed)
             for g in self._group_order:
                 self.source.release_group(self._group_names[g])
+            if packed:  # the recorded packs are dropped below: let them finish first
+                device_synchronize(self.communicator.device)
         record = self._read and self._resident
         per_group = self.config.announce_bytes == 0
         for pair in self._pairs.values():
             pair.slot_seq.clear()  # the last sync drained every slot
             pair.packs = 0
             pair.announced = 0
+            if pair.replay is not None:
+                pair.replay.close()
             pair.replay = _Replay() if record and pair.chunks else None
         for g, cid, i in self._schedule:
             self._release(barrier, opened)
