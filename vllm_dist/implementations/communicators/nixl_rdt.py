@@ -483,20 +483,25 @@ class _PreparedXfer(PreparedReads):
         remote = np.empty((len(self._pieces), 3), dtype=np.uint64)
         regs = []
         for i, (view, off, n, r) in enumerate(self._pieces):
-            regs.append(comm._register(view))
+            reg = comm._register(view)
+            reg.inflight += 1  # not evicted by the registrations that follow
+            regs.append(reg)
             local[i] = (view.data_ptr(), n, _device_id(view))
             remote[i] = (r.addr + off, n, r.device_id)
-        with _nixl_errors(f"{self._what}: creating the request"):
-            self._handle = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs(local, _mem_type(comm._device)),
-                agent.get_xfer_descs(remote, self._pieces[0][3].mem_type),
-                comm._peer_agent[self._peer],
-                b"",
-            )
+        try:
+            with _nixl_errors(f"{self._what}: creating the request"):
+                self._handle = agent.initialize_xfer(
+                    "READ",
+                    agent.get_xfer_descs(local, _mem_type(comm._device)),
+                    agent.get_xfer_descs(remote, self._pieces[0][3].mem_type),
+                    comm._peer_agent[self._peer],
+                    b"",
+                )
+        except BaseException:
+            for reg in regs:
+                reg.inflight -= 1
+            raise
         comm._live_xfers += 1
-        for reg in regs:
-            reg.inflight += 1  # never evicted while the request may be posted
         self._regs = regs
         self._epoch = comm._known_epoch[self._peer]
 
