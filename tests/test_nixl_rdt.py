@@ -261,6 +261,15 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
                 matrix = ref.view(torch.int16).view(1024, 4096)
                 assert torch.equal(cols.cpu(), matrix[:, 100:1100]), i
             self.coordinator.barrier()
+        if prepared is not None and not prepared.graphed:
+            # closed while a post is in flight: that post fails, the next one rebuilds
+            inflight = prepared.post()
+            prepared.close()
+            with pytest.raises(nixl_rdt.NixlTransferError, match="closed while"):
+                inflight.wait(timeout=30)
+            prepared.post().wait(timeout=30)
+            assert torch.equal(big.cpu(), pattern(nbytes, 100 + rounds - 1)[5 << 20 : 7 << 20])
+            out["rebuilt"] = True
         if prepared is not None:
             out["open"] = comm.stats()
             out["graphed"] = prepared.graphed
@@ -488,7 +497,7 @@ def test_ray_rdt_version_guard() -> None:
 def test_prepared_reads_are_reposted_cpu() -> None:
     """Through NIXL: one request built once and reposted every round; close releases it."""
     out = launch(PreparedReadsTask)[0]
-    assert out["open"]["live_xfer_handles"] == 1 and not out["graphed"]
+    assert out["open"]["live_xfer_handles"] == 1 and not out["graphed"] and out["rebuilt"]
     assert out["closed"]["live_xfer_handles"] == 0 and out["closed"]["leaked_xfer_handles"] == 0
 
 

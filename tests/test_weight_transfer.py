@@ -1038,8 +1038,8 @@ class ChunkwiseConsumer(WeightConsumer):
     """A consumer that never runs a replay as a whole: it reads the announcements a replay
     message stands for one by one (what a consumer does when its record cannot be replayed)."""
 
-    def _start_replays(self, inbox: Any) -> dict[int, list[Any]]:
-        return {}
+    def _start_replay(self, p: int, msg: bytes, what: str) -> bool:
+        return False
 
 
 class ChunkwiseTask(LlamaTransferTask):
@@ -1061,6 +1061,59 @@ def test_replay_read_chunk_by_chunk_is_byte_exact(shapes: dict[str, Any]) -> Non
     )
     _assert_verified(results, 4)
     assert _replayed(results) == [[False, False, True, True]] + [[False] * 4] * 2
+
+
+class SlowSwapTask(SwappingStorageTask):
+    """Two pipeline-stage producers; before sync 3 producer ``slow`` swaps its storage (so it
+    goes chunk by chunk) and takes 1.2 s to open each group it serves (the quick check of
+    every group comes first), 2.4 s or more in all: longer than the stall timeout, while
+    every single wait stays within it."""
+
+    def before_producer_sync(self, step: int, source: Any, slow: int = 0, **kw: Any) -> None:
+        if self.coordinator.get_rank() != slow:
+            LlamaTransferTask.before_producer_sync(self, step, source, **kw)
+            return
+        if step == 3:
+            for t in self._state.values():
+                t.data = torch.empty_like(t.data)
+            opener, checked = source.open_group, set()
+
+            def open_slowly(names: Any) -> Any:
+                if tuple(names) in checked:
+                    time.sleep(1.2)
+                checked.add(tuple(names))
+                return opener(names)
+
+            source.open_group = open_slowly
+        LlamaTransferTask.before_producer_sync(self, step, source, **kw)
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+@distributed_test(timeout=150)
+def test_replay_beside_a_slow_chunkwise_producer(shapes: dict[str, Any], slow: int) -> None:
+    """Producer ``1 - slow`` replays sync 4 (the last: a producer runs ahead into its next
+    sync) while the consumers read producer ``slow`` chunk by chunk for longer than the stall
+    timeout: the replayed producer hears 'done' as soon as its reads land, not after the slow
+    one, whichever comes first in plan order."""
+    _needs_nixl()
+    results = _launch(
+        4,
+        task=SlowSwapTask,
+        comm=CommunicatorType.NIXL_RDT,
+        num_producers=2,
+        num_consumers=2,
+        syncs=4,
+        shapes=shapes,
+        stages=True,
+        slow=slow,
+        config=replace(_STEADY, stall_timeout=2.0, announce_bytes=0),
+    )
+    _assert_verified(results, 4)
+    replayed = _replayed(results)
+    assert replayed[1 - slow][2:] == [True, True] and replayed[slow][2:] == [True, False]
+    assert [r[3] for r in replayed[2:]] == [False, False], replayed  # mixed: not whole
+    seconds = [r["syncs"][3]["seconds"] for r in results]
+    assert seconds[slow] > 2.0 and seconds[1 - slow] < 1.0, seconds
 
 
 class DyingInReplayConsumer(LlamaTransferTask):

@@ -167,13 +167,17 @@ class CopyProgram:
         return self._graph is not None
 
     def run(self) -> None:
-        """Queue the copies on the current stream (on the CPU: do them)."""
-        if self._graph is None and self._want_graph:
-            self._record()
-        if self._graph is not None:
-            self._graph.replay()
-        else:
+        """Queue the copies on the current stream of their device (on the CPU: do them)."""
+        if self._device is None or self._device.type != "cuda":
             self._launch()
+            return
+        with torch.cuda.device(self._device):  # a graph replays on the current device's stream
+            if self._graph is None and self._want_graph:
+                self._record()
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self._launch()
 
     def _launch(self) -> None:
         for dst, src in self._solo:

@@ -405,7 +405,7 @@ class PreparedReads:
 
     def post(self) -> NixlTransfer:
         """Start the reads; returns a transfer to ``wait`` for."""
-        if self._last is not None and not self._last.done():
+        if self._last is not None and not _settled(self._last):
             raise RuntimeError(f"{self._what}: posted again while the last post is in flight")
         self._last = self._post()
         self.posts += 1
@@ -421,6 +421,14 @@ class PreparedReads:
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release what the set holds."""
+
+
+def _settled(xfer: NixlTransfer) -> bool:
+    """Whether ``xfer`` is over, landed or failed (its waiter saw the error)."""
+    try:
+        return xfer.done()
+    except NixlTransferError:
+        return True
 
 
 class _PreparedCopies(PreparedReads):
@@ -528,6 +536,12 @@ class _PreparedXfer(PreparedReads):
         return xfer
 
     def close(self) -> None:
+        last = self._last
+        if isinstance(last, _RepostedTransfer) and last._handle is not None:
+            # a post still in flight: it fails (its waiter is told) instead of polling a
+            # released request; releasing an in-flight request keeps its memory registered
+            last._error = NixlTransferError(f"{self._what}: closed while the reads were in flight")
+            last._handle = None
         handle, self._handle = self._handle, None
         regs, self._regs = self._regs, []
         if handle is not None and self._comm._agent is not None:
@@ -1380,27 +1394,32 @@ class NixlRdtCommunicator(DeviceCommunicator):
         regs = []
         local = np.empty((len(pieces), 3), dtype=np.uint64)
         remote = np.empty((len(pieces), 3), dtype=np.uint64)
-        for i, (view, raddr, n, remote_dev) in enumerate(pieces):
-            regs.append(self._register(view))
-            local[i] = (view.data_ptr(), n, _device_id(view))
-            remote[i] = (raddr, n, remote_dev)
-        if not pieces:
-            if notif:
-                self._notify(peer, notif[:1], notif[1:])
-            return NixlTransfer(self, None, [], what)
-        if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()  # the bytes must exist first
-        with _nixl_errors(f"{what}: creating the request"):
-            handle = agent.initialize_xfer(
-                op,
-                agent.get_xfer_descs(local, _mem_type(self._device)),
-                agent.get_xfer_descs(remote, remote_mem),
-                self._peer_agent[peer],
-                notif,
-            )
+        try:
+            for i, (view, raddr, n, remote_dev) in enumerate(pieces):
+                reg = self._register(view)
+                reg.inflight += 1  # held as it is made: the next registration cannot evict it
+                regs.append(reg)
+                local[i] = (view.data_ptr(), n, _device_id(view))
+                remote[i] = (raddr, n, remote_dev)
+            if not pieces:
+                if notif:
+                    self._notify(peer, notif[:1], notif[1:])
+                return NixlTransfer(self, None, [], what)
+            if self._device.type == "cuda":
+                torch.cuda.current_stream(self._device).synchronize()  # the bytes must exist
+            with _nixl_errors(f"{what}: creating the request"):
+                handle = agent.initialize_xfer(
+                    op,
+                    agent.get_xfer_descs(local, _mem_type(self._device)),
+                    agent.get_xfer_descs(remote, remote_mem),
+                    self._peer_agent[peer],
+                    notif,
+                )
+        except BaseException:
+            for reg in regs:
+                reg.inflight -= 1
+            raise
         self._live_xfers += 1
-        for reg in regs:
-            reg.inflight += 1
         xfer = NixlTransfer(self, handle, regs, what)
         try:
             with _nixl_errors(f"{what}: posting"):

@@ -266,8 +266,10 @@ class _Replay:
 
     Producer: the packs it made (``dsts``, ``srcs``), run as one ``CopyProgram`` from the first
     replay on; consumer: the reads it posted (``plain``, ``strided``) and the unpacks behind
-    them, prepared at the first replay (a prepared set of reads, a ``CopyProgram``). ``sync``: the sync it describes, or -1 while it is being recorded or when that
-    sync cannot be replayed (a chain that copies; more packs or staged chunks than ring slots).
+    them, prepared at the first replay (a prepared set of reads, a ``CopyProgram``).
+    ``sync``: the sync it describes (and was last replayed), or -1 while it is being recorded
+    or when that sync cannot be replayed (``ok`` false: a chain that copies, a source seen for
+    the first time, a staging slot used twice; more packs than ring slots).
     """
 
     sync: int = -1
@@ -526,6 +528,8 @@ class WeightProducer(_Engine):
             return
         if pair.worker is not None:
             pair.worker.close()
+        if pair.replay is not None:
+            pair.replay.close()
         name = pair.remote_name or ring_name(self.producer_id, consumer_id)
         if pair.ring is not None and name in self._exposed:
             self._unexpose(name)
@@ -697,18 +701,13 @@ class WeightProducer(_Engine):
         if self._read and self.communicator.device.type == "cuda":
             torch.cuda.synchronize(self.communicator.device)  # the trainer's writes, any stream
         if self._replayable():
-            # the recorded packs go first (the ring is free: the last sync was read in full)
-            # and run on the device while the sources are checked; wasted only if one moved
-            packed = self._replay_packs()
             every = {g: self.source.open_group(self._group_names[g]) for g in self._group_order}
             self._mark("opened")
-            if self._unchanged(every):
-                return self._replay(start, every, packed)
+            if self._unchanged(every):  # checked first: a moved source may be freed memory
+                return self._replay(start, every, self._replay_packs())
             for g in self._group_order:
                 self.source.release_group(self._group_names[g])
-            if packed:  # the recorded packs are dropped below: let them finish first
-                device_synchronize(self.communicator.device)
-        record = self._read and self._resident
+        record = self._read and self.config.replay and self._resident
         per_group = self.config.announce_bytes == 0
         for pair in self._pairs.values():
             pair.slot_seq.clear()  # the last sync drained every slot
@@ -1263,6 +1262,12 @@ class WeightConsumer(_Engine):
         self.layout = _pair_layout(self.layout, self._strided)
         # chunk index -> ((source, offset, strides) it was last read from, how): see ``_route``
         self._routes: dict[int, tuple[Any, tuple[str, int, Any, torch.Tensor, bool]]] = {}
+        # READ path, this sync: the record being made per producer, the replays whose reads
+        # are in flight (producer -> handles), the producers whose message was a replay
+        self._recording: dict[int, _Replay] = {}
+        self._replaying: dict[int, list[Any]] = {}
+        self._replayed_from: set[int] = set()
+        self._heard: set[int] = set()  # producers whose first message this sync came
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self, *, defer: bool = False) -> None:
@@ -1561,15 +1566,20 @@ class WeightConsumer(_Engine):
     def _receive_read(self) -> None:
         """Pull every announced chunk in one batched read per producer, up to
         ``_BATCHES_IN_FLIGHT`` batches at once; complete batches in plan order (one unpack
-        launch, then 'done up to seq' per producer)."""
+        launch, then 'done up to seq' per producer).
+
+        Messages are taken in plan order whatever they say, as on a sync read chunk by chunk:
+        a producer's replay message starts its recorded reads there and then (its chunks are
+        skipped below), and a replay finishes — unpack, 'done' — as soon as its reads have
+        landed, or before this consumer waits on any producer, so that no replayed producer
+        waits on us while we wait on another one.
+        """
         comm = self.communicator
         inbox: dict[int, deque[Any]] = {p: deque() for p in self._pairs}
-        replays = self._start_replays(inbox)
-        for p, pair in self._pairs.items():
-            if p not in replays:  # recorded afresh
-                if pair.replay is not None:
-                    pair.replay.close()
-                pair.replay = _Replay()
+        self._recording = {p: _Replay() for p, pair in self._pairs.items() if pair.chunks}
+        self._replaying = {}
+        self._replayed_from = set()
+        self._heard = set()
         flight: deque[tuple[list[int], list[Any]]] = deque()  # (chunk indices, read handles)
         staged: set[tuple[int, int]] = set()  # (producer, staging slot) holding unread bytes
         finished: dict[int, int] = {}  # producer -> last seq read, not yet reported
@@ -1579,11 +1589,14 @@ class WeightConsumer(_Engine):
             announcements: list[Any] = []
             while nxt < n and len(flight) < _BATCHES_IN_FLIGHT:
                 chunk = self.chunks[nxt]
-                if chunk.producer in replays:
-                    nxt += 1  # read as a whole, below
+                if chunk.producer in self._replayed_from:
+                    nxt += 1  # read as a whole
                     continue
-                if not self._announced(chunk, inbox, block=not flight and not batch):
+                block = not flight and not batch
+                if not self._announced(chunk, inbox, block=block):
                     break
+                if chunk.producer in self._replayed_from:
+                    continue  # its message was a replay
                 slot = (chunk.producer, self._stage_slot[nxt])
                 if self._staged(nxt, inbox[chunk.producer][0]):
                     if slot in staged:
@@ -1597,38 +1610,37 @@ class WeightConsumer(_Engine):
                 flight.append((batch, self._pull(batch, announcements)))
             if flight:
                 self._complete(flight, staged, finished)
+            self._finish_replays(block=False)
         self._report(finished)
-        self._finish_replays(replays)
+        self._finish_replays(block=True)
         device_synchronize(comm.device)
-        self._replayed = bool(replays) and len(replays) == len(self._pairs)
-        for p, pair in self._pairs.items():
-            rec = pair.replay
-            if p not in replays and rec is not None and pair.chunks:
-                rec.last_seq = max(c.seq for c in pair.chunks)
-                rec.sync = self._syncs if rec.ok else -1
+        self._replayed = bool(self._recording) and self._replayed_from == set(self._recording)
+        for p, rec in self._recording.items():
+            pair = self._pairs[p]
+            if p in self._replayed_from:
+                continue  # its record stays (and was replayed)
+            if pair.replay is not None:
+                pair.replay.close()
+            rec.last_seq = max(c.seq for c in pair.chunks)
+            rec.sync = self._syncs if rec.ok else -1
+            pair.replay = rec
         self._mark("end")
 
-    def _start_replays(self, inbox: dict[int, deque[Any]]) -> dict[int, list[Any]]:
-        """Post the recorded reads of every producer whose first message says the sync is a
-        replay of the last (taken in producer order while that holds; any other message goes to
-        the inbox and the rest is read chunk by chunk). Returns producer -> read handles."""
-        started: dict[int, list[Any]] = {}
-        for p, pair in self._pairs.items():
-            rec = pair.replay
-            if rec is None or rec.sync != self._syncs - 1:
-                break
-            what = f"consumer {self.consumer_id} <- producer {p} (sync {self._syncs})"
-            msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
-            if parse_replay(msg) is None:
-                self._take_message(p, msg, inbox, what)
-                break
-            self._check_replay(msg, what)
-            if rec.prepared is None:
-                rec.prepared = self._prepare_reads(pair.peer_rank, rec)
-            self._mark(f"replay {pair.peer_rank}")
-            posted = rec.prepared.post()
-            started[p] = posted if isinstance(posted, list) else [posted]
-        return started
+    def _start_replay(self, p: int, msg: bytes, what: str) -> bool:
+        """Post producer ``p``'s recorded reads if ``msg`` is a replay of a sync recorded here
+        (the last one); False when it is not (then it is read chunk by chunk)."""
+        pair = self._pairs[p]
+        rec = pair.replay
+        if rec is None or rec.sync != self._syncs - 1 or parse_replay(msg) is None:
+            return False
+        self._check_replay(msg, what)
+        if rec.prepared is None:
+            rec.prepared = self._prepare_reads(pair.peer_rank, rec)
+        self._mark(f"replay {pair.peer_rank}")
+        posted = rec.prepared.post()
+        self._replaying[p] = posted if isinstance(posted, list) else [posted]
+        self._replayed_from.add(p)
+        return True
 
     def _prepare_reads(self, peer: int, rec: _Replay) -> Any:
         prepare = getattr(self.communicator, "prepare_reads", None)
@@ -1636,9 +1648,14 @@ class WeightConsumer(_Engine):
             return prepare(peer, rec.plain, rec.strided)
         return _Reposter(self.communicator, peer, rec.plain, rec.strided)
 
-    def _finish_replays(self, started: dict[int, list[Any]]) -> None:
-        """Wait for the replayed reads, unpack what was staged, tell each producer."""
-        for p, handles in started.items():
+    def _finish_replays(self, *, block: bool) -> None:
+        """Finish the replays whose reads have landed (every one when ``block``, waiting):
+        unpack what was staged, tell the producer."""
+        for p in list(self._replaying):
+            handles = self._replaying[p]
+            if not block and not all(h.done() for h in handles):
+                continue
+            del self._replaying[p]
             pair = self._pairs[p]
             rec = pair.replay
             assert rec is not None
@@ -1660,8 +1677,12 @@ class WeightConsumer(_Engine):
             raise RuntimeError(f"{what}: replay message for sync {parse_replay(msg)}")
 
     def _take_message(self, p: int, msg: bytes, inbox: dict[int, deque[Any]], what: str) -> None:
-        """Queue the announcements of producer ``p``'s message; a replay message stands for
-        the last sync's announcements (this consumer kept them), read chunk by chunk."""
+        """Queue the announcements of producer ``p``'s message. A replay message starts the
+        recorded reads when this consumer has a record of the last sync; otherwise it stands
+        for the last sync's announcements (this consumer kept them), read chunk by chunk."""
+        self._heard.add(p)
+        if self._start_replay(p, msg, what):
+            return
         if parse_replay(msg) is not None:
             self._check_replay(msg, what)
             anns = [self._announced_as[c.index] for c in self._pairs[p].chunks]
@@ -1677,16 +1698,14 @@ class WeightConsumer(_Engine):
 
     def _announced(self, chunk: Chunk, inbox: dict[int, deque[Any]], *, block: bool) -> bool:
         """Whether ``chunk``'s announcement is in the inbox, fetching messages (waiting for
-        one when ``block``)."""
+        one when ``block``), or its producer's message was a replay."""
         queue = inbox[chunk.producer]
-        while not queue:
+        while not queue and chunk.producer not in self._replayed_from:
             pair = self._pairs[chunk.producer]
             what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
             if block:
                 self._mark(f"wait ready {pair.peer_rank}")
-                msg: bytes | None = wait_message(
-                    self.communicator, pair.peer_rank, self.config.stall_timeout, what
-                )
+                msg: bytes | None = self._await_message(chunk.producer, inbox, what)
                 self._mark("got ready")
             else:
                 msg = poll_message(self.communicator, pair.peer_rank)
@@ -1695,6 +1714,32 @@ class WeightConsumer(_Engine):
             assert msg is not None
             self._take_message(chunk.producer, msg, inbox, what)
         return True
+
+    def _await_message(self, p: int, inbox: dict[int, deque[Any]], what: str) -> bytes:
+        """Producer ``p``'s next message. While it does not come, the first message of every
+        producer not heard from yet is taken as it arrives (a replay starts its reads) and
+        replays whose reads landed are finished: a producer that replays never waits on
+        this consumer for longer than its reads take, whatever the others do."""
+        peer = self._pairs[p].peer_rank
+        others = [q for q in self._pairs if q != p and q not in self._heard]
+        if not others and not self._replaying:
+            return wait_message(self.communicator, peer, self.config.stall_timeout, what)
+        deadline = time.monotonic() + self.config.stall_timeout
+        pause = 10e-6
+        while True:
+            msg = poll_message(self.communicator, peer)
+            if msg is not None:
+                return msg
+            for q in others:
+                if q not in self._heard:
+                    first = poll_message(self.communicator, self._pairs[q].peer_rank)
+                    if first is not None:
+                        self._take_message(q, first, inbox, f"{what}; from producer {q}")
+            self._finish_replays(block=False)
+            if time.monotonic() > deadline:
+                return wait_message(self.communicator, peer, 0.0, what)  # the stall error
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
 
     def _pull(self, batch: list[int], announcements: list[Any]) -> list[Any]:
         """Start one read per producer over the batch's chunks; returns the handles."""
@@ -1712,8 +1757,7 @@ class WeightConsumer(_Engine):
                     f"{(self._syncs, chunk.seq, chunk.nbytes)}"
                 )
             route = self._route(j, ann)
-            rec = self._pairs[chunk.producer].replay
-            assert rec is not None
+            rec = self._recording[chunk.producer]
             if route is not None:
                 strided.setdefault(chunk.producer, []).append(route[:4])
                 rec.strided.append(route[:4])
@@ -1799,8 +1843,7 @@ class WeightConsumer(_Engine):
                 srcs += views[1]
                 slot = (chunk.producer, self._stage_slot[j])
                 staged.discard(slot)
-                rec = self._pairs[chunk.producer].replay
-                assert rec is not None
+                rec = self._recording[chunk.producer]
                 rec.dsts += views[0]
                 rec.srcs += views[1]
                 rec.packs += 1
