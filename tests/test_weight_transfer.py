@@ -663,9 +663,21 @@ def test_read_path_nixl_stages_two_replicas_one_slot(shapes: dict[str, Any]) -> 
     assert all(r["syncs"][0]["chunks"] > 8 for r in results if r["role"] == "producer")
 
 
+class OpenOnlySource(StateDictSource):
+    """A resident source that cannot list its tensors cheaply (``current`` says None): the
+    steady-state check opens every group instead."""
+
+    def current(self, names: Any) -> None:
+        return None
+
+
 class SwappingStorageTask(LlamaTransferTask):
     """A trainer that swaps its parameters' storage (``p.data = ...``) before sync 2: the
     tensor objects stay, so only their data pointers tell that the bytes moved."""
+
+    def make_source(self, *args: Any, open_only: bool = False, **kw: Any) -> Any:
+        source = super().make_source(*args, **kw)
+        return OpenOnlySource(self._state) if open_only else source
 
     def before_producer_sync(self, step: int, source: Any, **kw: Any) -> None:
         if step == 2:  # fresh storage; the old one keeps sync 1's bytes
@@ -1015,10 +1027,15 @@ def test_read_path_steady_state_replays_whole_syncs(shapes: dict[str, Any], repl
     assert results[0]["syncs"][-1]["packed"] == results[0]["syncs"][1]["packed"]
 
 
+@pytest.mark.parametrize("open_only", [False, True])
 @distributed_test(timeout=150)
-def test_replay_stops_at_a_storage_swap_and_resumes(shapes: dict[str, Any]) -> None:
+def test_replay_stops_at_a_storage_swap_and_resumes(
+    shapes: dict[str, Any], open_only: bool
+) -> None:
     """``p.data = ...`` before sync 3: that sync and the next are read chunk by chunk (the new
-    storage is packed, then exposed and read in place); replays resume at sync 5."""
+    storage is packed, then exposed and read in place); replays resume at sync 5. Whether the
+    source lists its tensors (``current``: the check opens nothing) or not (every group is
+    opened and compared)."""
     _needs_nixl()
     results = _launch(
         3,
@@ -1029,9 +1046,13 @@ def test_replay_stops_at_a_storage_swap_and_resumes(shapes: dict[str, Any]) -> N
         syncs=6,
         shapes=shapes,
         config=_STEADY,
+        open_only=open_only,
+        env={"VLLM_DIST_WT_TRACE": "1"},
     )
     _assert_verified(results, 6)
     assert _replayed(results) == [[False, False, False, False, True, True]] * 3
+    events = [e for _, e in results[0]["trace"]]  # the producer's last sync, a replay
+    assert ("opened" in events, "checked" in events) == (open_only, not open_only)
 
 
 class ChunkwiseConsumer(WeightConsumer):
@@ -1065,9 +1086,8 @@ def test_replay_read_chunk_by_chunk_is_byte_exact(shapes: dict[str, Any]) -> Non
 
 class SlowSwapTask(SwappingStorageTask):
     """Two pipeline-stage producers; before sync 3 producer ``slow`` swaps its storage (so it
-    goes chunk by chunk) and takes 1.2 s to open each group it serves (the quick check of
-    every group comes first), 2.4 s or more in all: longer than the stall timeout, while
-    every single wait stays within it."""
+    goes chunk by chunk) and takes 1.2 s to open each group it serves, 2.4 s or more in all:
+    longer than the stall timeout, while every single wait stays within it."""
 
     def before_producer_sync(self, step: int, source: Any, slow: int = 0, **kw: Any) -> None:
         if self.coordinator.get_rank() != slow:
@@ -1076,12 +1096,10 @@ class SlowSwapTask(SwappingStorageTask):
         if step == 3:
             for t in self._state.values():
                 t.data = torch.empty_like(t.data)
-            opener, checked = source.open_group, set()
+            opener = source.open_group
 
             def open_slowly(names: Any) -> Any:
-                if tuple(names) in checked:
-                    time.sleep(1.2)
-                checked.add(tuple(names))
+                time.sleep(1.2)
                 return opener(names)
 
             source.open_group = open_slowly
