@@ -145,3 +145,62 @@ def test_copy_program_cpu() -> None:
 @pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
 def test_copy_program_cuda_graph() -> None:
     _copy_program_case("cuda")
+
+
+def _row_gather_case(device: str) -> None:
+    """Many small strided pairs, as the packs and unpacks of 100,000 expert shards make them:
+    each group of one element size and row length runs as one ``RowGather`` (two kernels),
+    whatever the layouts of its pairs; every byte lands where ``copy_`` would put it, over
+    several runs with changing contents, into destinations on and off the row grid."""
+    from vllm_dist.implementations.communicators.common import CopyProgram
+
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, generator=gen).to(
+            device
+        )
+
+    experts = [rand(32, 64).view(torch.bfloat16) for _ in range(40)]
+    cube = rand(6, 8, 40)  # 3-D: rows of 16 int16 at two strides
+    srcs = [e[:, 32:] for e in experts[:20]]  # packs: rows of 64 bytes -> int64
+    srcs += [cube[i, :, 8:24] for i in range(6)] + [cube[:, 2:5, 24:40]] * 2  # int64 rows
+    srcs += [e[3:9, 2:8] for e in experts[20:32]]  # rows of 12 bytes -> int32, row 3
+    srcs += [e[:4, 5:6] for e in experts[33:]]  # too few of this kind (< 8): one kernel each
+    slot = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
+    dsts, offset = [], 24
+    for s in srcs:  # 16-byte aligned: the 12-byte rows fall off their grid, the others do not
+        n = s.numel() * s.element_size()
+        dsts.append(slot[offset : offset + n].view(s.dtype).view(s.shape))
+        offset += -(-n // 16) * 16
+    unpacked = [torch.zeros_like(e) for e in experts[:20]]  # slot rows -> strided, on grid
+    unpack = CopyProgram([u[:, :32] for u in unpacked], dsts[:20])
+    program = CopyProgram(dsts, srcs)
+    kinds = sorted(
+        (str(g._staging.dtype), g._staging.shape[1], g._target.dim()) for g in program._gathers
+    )  # (element, row length, 2: rows written whole or 1: element by element)
+    assert kinds == [("torch.int32", 3, 1), ("torch.int64", 4, 2), ("torch.int64", 8, 2)]
+    assert len(program._solo) == 7 and len(unpack._gathers) == 1 and not unpack._solo
+    for step in range(3):
+        program.run()
+        unpack.run()
+        for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):  # bits: random bf16 has NaNs
+            assert torch.equal(d.view(torch.int16).cpu(), s.view(torch.int16).cpu()), (step, i)
+        for u, e in zip(unpacked, experts[:20], strict=True):
+            u, e = u.view(torch.int16), e.view(torch.int16)
+            assert torch.equal(u[:, :32].cpu(), e[:, 32:].cpu()) and not u[:, 32:].any()
+        for t in [*experts, cube]:
+            t.add_(1)
+    for p in (program, unpack):
+        assert p.graphed is (device != "cpu") and p.graph_error is None
+        p.close()
+
+
+def test_row_gather_cpu() -> None:
+    _row_gather_case("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
+def test_row_gather_cuda_graph() -> None:
+    _row_gather_case("cuda")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import os
 import warnings
 
@@ -129,12 +131,15 @@ SOLO_COPY_BYTES = 16 << 20  # a contiguous copy this large gets a kernel of its 
 class CopyProgram:
     """A fixed list of copies (``dst.copy_(src)`` per pair), run again and again.
 
-    Planned once: a strided pair or a contiguous one of ``SOLO_COPY_BYTES`` and up is a kernel
-    of its own (strided ones widened, ``widest_views``); every other contiguous pair joins a
+    Planned once: a pair of ``SOLO_COPY_BYTES`` and up is a kernel of its own (strided ones
+    widened, ``widest_views``); small strided pairs whose rows are contiguous share a
+    ``RowGather`` (two kernels) per element size and row length when there are at least
+    ``GATHER_MIN_PAIRS`` of them, else get a kernel each; every other contiguous pair joins a
     batched launch (``_foreach_copy_``) of its width, its bytes seen as int64 where aligned.
     On CUDA with ``graph``, the launches are recorded into a CUDA graph at the first ``run``,
     so each later run costs one launch however many pairs it copies (100,000 expert slices
-    included). The tensors must stay where they are while the program is used.
+    included). The tensors must stay where they are while the program is used, and no two
+    destinations may overlap (the pairs do not run in the order given).
     """
 
     def __init__(
@@ -142,20 +147,35 @@ class CopyProgram:
     ) -> None:
         self._solo: list[tuple[torch.Tensor, torch.Tensor]] = []
         batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        strided: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         device = None
         for dst, src in zip(dsts, srcs, strict=True):
             nbytes = dst.numel() * dst.element_size()
             if not nbytes:
                 continue
             device = dst.device
-            if nbytes >= SOLO_COPY_BYTES or not (dst.is_contiguous() and src.is_contiguous()):
+            if nbytes >= SOLO_COPY_BYTES:
                 self._solo.append(widest_views(dst, src))
-                continue
-            d, s = _widest_bytes(dst, src, nbytes) if dst.dtype == src.dtype else (dst, src)
-            lists = batches.setdefault(d.dtype, ([], []))
-            lists[0].append(d)
-            lists[1].append(s)
+            elif not (dst.is_contiguous() and src.is_contiguous()):
+                pair = widest_views(dst, src)
+                key = _rows_key(*pair)
+                if key is None:
+                    self._solo.append(pair)
+                else:
+                    strided.setdefault(key, []).append(pair)
+            else:
+                d, s = _widest_bytes(dst, src, nbytes) if dst.dtype == src.dtype else (dst, src)
+                lists = batches.setdefault(d.dtype, ([], []))
+                lists[0].append(d)
+                lists[1].append(s)
         self._batches = list(batches.values())
+        self._gathers: list[RowGather] = []
+        for pairs in strided.values():
+            gather = RowGather.plan(pairs) if len(pairs) >= GATHER_MIN_PAIRS else None
+            if gather is None:
+                self._solo.extend(pairs)
+            else:
+                self._gathers.append(gather)
         self._device = device
         self._want_graph = graph and device is not None and device.type == "cuda"
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -182,6 +202,8 @@ class CopyProgram:
     def _launch(self) -> None:
         for dst, src in self._solo:
             dst.copy_(src, non_blocking=True)
+        for gather in self._gathers:
+            gather.run()
         for dsts, srcs in self._batches:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
@@ -200,8 +222,9 @@ class CopyProgram:
         except Exception as exc:  # noqa: BLE001 - the copies still run, launched one by one
             self._want_graph = False
             self.graph_error = f"{type(exc).__name__}: {exc}"
+            launches = len(self._solo) + len(self._batches) + 2 * len(self._gathers)
             warnings.warn(
-                f"recording {len(self._solo) + len(self._batches)} copy launches into a CUDA "
+                f"recording {launches} copy launches into a CUDA "
                 f"graph failed ({self.graph_error}); they are launched one by one instead",
                 RuntimeWarning,
                 stacklevel=3,
@@ -213,7 +236,144 @@ class CopyProgram:
 
     def close(self) -> None:
         self._graph = None
-        self._solo, self._batches = [], []
+        self._solo, self._batches, self._gathers = [], [], []
+
+
+GATHER_MIN_PAIRS = 8  # strided pairs of one row width that share two kernels (``RowGather``)
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _rows_key(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int] | None:
+    """(element size, row length) of a strided pair whose rows (last dimension) are
+    contiguous on both sides, the pairs a ``RowGather`` can batch; None for any other."""
+    if (
+        dst.dtype != src.dtype
+        or dst.shape != src.shape
+        or dst.dim() == 0
+        or dst.stride(-1) != 1
+        or src.stride(-1) != 1
+        or dst.element_size() not in _INT_OF_SIZE
+    ):
+        return None
+    return dst.element_size(), dst.shape[-1]
+
+
+class RowGather:
+    """Many small strided copies whose rows are contiguous (a row-parallel shard of each of
+    100,000 expert weights) as two kernels instead of one per pair: an ``index_select`` of
+    every source row into a staging buffer, then an ``index_copy_`` of those rows into place.
+
+    Each side is seen through a flat tensor over the address range its rows span (it owns
+    nothing: the pairs, kept here, own the memory), so rows of unrelated allocations become
+    rows of one tensor; only rows the pairs hold are ever read or written. Sources are read
+    through a window view (a row may start at any element); destination rows that do not all
+    start on a grid of the row length are written element by element.
+    """
+
+    def __init__(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        source: tuple[torch.Tensor, torch.Tensor],
+        target: tuple[torch.Tensor, torch.Tensor],
+        staging: torch.Tensor,
+    ) -> None:
+        self._pairs = pairs
+        self._window, self._rows = source
+        self._target, self._index = target
+        self._staging = staging
+        self._staged = staging if target[0].dim() == 2 else staging.view(-1)
+
+    @classmethod
+    def plan(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> RowGather | None:
+        """The gather of ``pairs`` (one element size and row length, as ``_rows_key`` groups
+        them), or None where their device or addresses do not allow it."""
+        size, row = pairs[0][0].element_size(), pairs[0][0].shape[-1]
+        dtype = _INT_OF_SIZE[size]
+        device = pairs[0][0].device
+        if any(t.device != device for pair in pairs for t in pair):
+            return None
+        src = _span(_row_addresses([s for _, s in pairs]), row, dtype, device)
+        dst = _span(_row_addresses([d for d, _ in pairs]), row, dtype, device)
+        if src is None or dst is None:
+            return None
+        flat, starts = src
+        window = flat.as_strided((flat.numel() - row + 1, row), (1, 1))
+        flat, starts_dst = dst
+        if bool((starts_dst % row).any()):  # off the grid: one index per element
+            target = (flat, (starts_dst.unsqueeze(1) + torch.arange(row)).reshape(-1))
+        else:
+            target = (flat.view(-1, row), starts_dst // row)
+        staging = torch.empty((starts.numel(), row), dtype=dtype, device=device)
+        return cls(
+            pairs,
+            (window, starts.to(device)),
+            (target[0], target[1].to(device)),
+            staging,
+        )
+
+    def run(self) -> None:
+        torch.index_select(self._window, 0, self._rows, out=self._staging)
+        self._target.index_copy_(0, self._index, self._staged)
+
+
+def _row_addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The byte address of every row (last-dimension run) of every tensor, in order (row-major
+    within each); one pass of tensor ops per run of tensors that share a layout."""
+    parts = []
+    for (shape, strides, size), run in itertools.groupby(
+        tensors, key=lambda t: (t.shape[:-1], t.stride()[:-1], t.element_size())
+    ):
+        offsets = torch.zeros((), dtype=torch.int64)
+        for n, stride in zip(shape, strides, strict=True):
+            offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
+        bases = torch.tensor([t.data_ptr() for t in run], dtype=torch.int64)
+        parts.append((bases.unsqueeze(1) + offsets.reshape(1, -1) * size).reshape(-1))
+    return torch.cat(parts)
+
+
+def _span(
+    addresses: torch.Tensor, row: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A flat tensor of ``dtype`` over the range rows of ``row`` elements at ``addresses``
+    span, and each row's start in elements of it; None for an unaligned address or a device
+    without raw views."""
+    size = dtype.itemsize
+    base = int(addresses.min())
+    rel = addresses - base
+    if base % size or bool((rel % size).any()):
+        return None
+    starts = rel // size
+    flat = _raw_tensor(base, int(starts.max()) + row, dtype, device)
+    return None if flat is None else (flat, starts)
+
+
+_TYPESTR = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}
+
+
+class _CudaArray:
+    """``count`` elements of ``dtype`` at a device address, for ``torch.as_tensor``."""
+
+    def __init__(self, address: int, count: int, dtype: torch.dtype) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (count,),
+            "typestr": _TYPESTR[dtype],
+            "data": (address, False),
+            "version": 2,
+        }
+
+
+def _raw_tensor(
+    address: int, count: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """A tensor over memory it does not own (its owners must outlive it); None off CPU/CUDA."""
+    if device.type == "cuda":
+        flat = torch.as_tensor(_CudaArray(address, count, dtype), device=device)
+    elif device.type == "cpu":
+        buffer = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
+        flat = torch.frombuffer(buffer, dtype=dtype)
+    else:
+        return None
+    return flat if flat.data_ptr() == address and flat.device == device else None
 
 
 def _widest_bytes(
