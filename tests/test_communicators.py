@@ -147,12 +147,23 @@ def test_copy_program_cuda_graph() -> None:
     _copy_program_case("cuda")
 
 
-def _row_gather_case(device: str) -> None:
-    """Many small strided pairs, as the packs and unpacks of 100,000 expert shards make them:
-    each group of one element size and row length runs as one ``RowGather`` (two kernels),
-    whatever the layouts of its pairs; every byte lands where ``copy_`` would put it, over
-    several runs with changing contents, into destinations on and off the row grid."""
+def _row_gather_case(device: str, staging: int | None = None) -> None:
+    """Many small pairs, as the packs and unpacks of 100,000 expert shards make them: each
+    group of one element size and row length (a contiguous pair is one row) runs as one
+    ``RowGather`` (two kernels), whatever the layouts of its pairs; every byte lands where
+    ``copy_`` would put it, over several runs with changing contents, into destinations on
+    and off the row grid. ``staging``: a smaller staging cap, so groups split into several
+    gathers that share one buffer."""
+    from vllm_dist.implementations.communicators import common
     from vllm_dist.implementations.communicators.common import CopyProgram
+
+    if staging is not None:
+        common.GATHER_STAGING_BYTES, saved = staging, common.GATHER_STAGING_BYTES
+        try:
+            _row_gather_case(device)
+        finally:
+            common.GATHER_STAGING_BYTES = saved
+        return
 
     gen = torch.Generator().manual_seed(5)
 
@@ -167,20 +178,36 @@ def _row_gather_case(device: str) -> None:
     srcs += [cube[i, :, 8:24] for i in range(6)] + [cube[:, 2:5, 24:40]] * 2  # int64 rows
     srcs += [e[3:9, 2:8] for e in experts[20:32]]  # rows of 12 bytes -> int32, row 3
     srcs += [e[:4, 5:6] for e in experts[33:]]  # too few of this kind (< 8): one kernel each
+    srcs += [rand(100) for _ in range(9)]  # contiguous, 200 bytes: one row of 25 int64
     slot = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
     dsts, offset = [], 24
-    for s in srcs:  # 16-byte aligned: the 12-byte rows fall off their grid, the others do not
+    for s in srcs:  # 16-byte aligned: the 12- and 200-byte rows fall off their grid
         n = s.numel() * s.element_size()
         dsts.append(slot[offset : offset + n].view(s.dtype).view(s.shape))
         offset += -(-n // 16) * 16
     unpacked = [torch.zeros_like(e) for e in experts[:20]]  # slot rows -> strided, on grid
     unpack = CopyProgram([u[:, :32] for u in unpacked], dsts[:20])
     program = CopyProgram(dsts, srcs)
+    split = common.GATHER_STAGING_BYTES < 1 << 20
     kinds = sorted(
-        (str(g._staging.dtype), g._staging.shape[1], g._target.dim()) for g in program._gathers
+        {(str(g._window.dtype), g._window.shape[1], g._target.dim()) for g in program._gathers}
     )  # (element, row length, 2: rows written whole or 1: element by element)
-    assert kinds == [("torch.int32", 3, 1), ("torch.int64", 4, 2), ("torch.int64", 8, 2)]
-    assert len(program._solo) == 7 and len(unpack._gathers) == 1 and not unpack._solo
+    assert kinds == [
+        ("torch.int32", 3, 1),
+        ("torch.int64", 4, 2),
+        ("torch.int64", 8, 2),
+        ("torch.int64", 25, 1),  # 200 bytes at steps of 208: off the grid
+    ], kinds
+    if not split:
+        assert len(program._gathers) == 4
+    else:  # split: one buffer, as large as the largest part
+        assert len(program._gathers) > 4
+        buffers = {g._staging.untyped_storage().data_ptr() for g in program._gathers}
+        assert len(buffers) == 1
+        assert all(g.staging_bytes <= common.GATHER_STAGING_BYTES for g in program._gathers)
+    # split: 8 experts a part, the last 4 alone
+    assert len(program._solo) == 7 + 4 * split and len(unpack._solo) == 4 * split
+    assert len(unpack._gathers) == 1 + split
     for step in range(3):
         program.run()
         unpack.run()
@@ -196,11 +223,13 @@ def _row_gather_case(device: str) -> None:
         p.close()
 
 
-def test_row_gather_cpu() -> None:
-    _row_gather_case("cpu")
+@pytest.mark.parametrize("staging", [None, 16 << 10])
+def test_row_gather_cpu(staging: int | None) -> None:
+    _row_gather_case("cpu", staging)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
-def test_row_gather_cuda_graph() -> None:
-    _row_gather_case("cuda")
+@pytest.mark.parametrize("staging", [None, 16 << 10])
+def test_row_gather_cuda_graph(staging: int | None) -> None:
+    _row_gather_case("cuda", staging)

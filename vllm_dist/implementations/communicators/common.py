@@ -147,7 +147,8 @@ class CopyProgram:
     ) -> None:
         self._solo: list[tuple[torch.Tensor, torch.Tensor]] = []
         batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        strided: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (contiguous, element size, row length) -> pairs a RowGather may take
+        rows: dict[tuple[bool, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         device = None
         for dst, src in zip(dsts, srcs, strict=True):
             nbytes = dst.numel() * dst.element_size()
@@ -156,26 +157,39 @@ class CopyProgram:
             device = dst.device
             if nbytes >= SOLO_COPY_BYTES:
                 self._solo.append(widest_views(dst, src))
-            elif not (dst.is_contiguous() and src.is_contiguous()):
-                pair = widest_views(dst, src)
-                key = _rows_key(*pair)
-                if key is None:
-                    self._solo.append(pair)
-                else:
-                    strided.setdefault(key, []).append(pair)
+                continue
+            flat = dst.is_contiguous() and src.is_contiguous()
+            if flat and dst.dtype == src.dtype:
+                pair = _widest_bytes(dst, src, nbytes)
             else:
-                d, s = _widest_bytes(dst, src, nbytes) if dst.dtype == src.dtype else (dst, src)
-                lists = batches.setdefault(d.dtype, ([], []))
-                lists[0].append(d)
-                lists[1].append(s)
-        self._batches = list(batches.values())
+                pair = (dst, src) if flat else widest_views(dst, src)
+            key = _rows_key(*pair)
+            if key is not None:
+                rows.setdefault((flat, *key), []).append(pair)
+            elif flat:
+                lists = batches.setdefault(pair[0].dtype, ([], []))
+                lists[0].append(pair[0])
+                lists[1].append(pair[1])
+            else:
+                self._solo.append(pair)
         self._gathers: list[RowGather] = []
-        for pairs in strided.values():
-            gather = RowGather.plan(pairs) if len(pairs) >= GATHER_MIN_PAIRS else None
-            if gather is None:
-                self._solo.extend(pairs)
-            else:
-                self._gathers.append(gather)
+        for (flat, size, row), pairs in rows.items():
+            for part in _parts(pairs, row, GATHER_STAGING_BYTES // (size * row)):
+                gather = RowGather.plan(part) if len(part) >= GATHER_MIN_PAIRS else None
+                if gather is not None:
+                    self._gathers.append(gather)
+                elif flat:
+                    lists = batches.setdefault(part[0][0].dtype, ([], []))
+                    lists[0].extend(d for d, _ in part)
+                    lists[1].extend(s for _, s in part)
+                else:
+                    self._solo.extend(part)
+        self._batches = list(batches.values())
+        staging = max((g.staging_bytes for g in self._gathers), default=0)
+        if staging:  # the gathers run one after another: one staging buffer serves them all
+            buffer = torch.empty(staging, dtype=torch.uint8, device=device)
+            for gather in self._gathers:
+                gather.bind(buffer)
         self._device = device
         self._want_graph = graph and device is not None and device.type == "cuda"
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -239,7 +253,26 @@ class CopyProgram:
         self._solo, self._batches, self._gathers = [], [], []
 
 
-GATHER_MIN_PAIRS = 8  # strided pairs of one row width that share two kernels (``RowGather``)
+GATHER_MIN_PAIRS = 8  # pairs of one row length that share two kernels (``RowGather``)
+GATHER_STAGING_BYTES = 64 << 20  # rows one RowGather stages at most (a buffer per program)
+
+
+def _parts(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], row: int, limit: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``pairs`` cut into runs of at most ``limit`` rows each (a larger pair alone)."""
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    count = 0
+    for pair in pairs:
+        n = pair[0].numel() // row
+        if parts[-1] and count + n > limit:
+            parts.append([])
+            count = 0
+        parts[-1].append(pair)
+        count += n
+    return parts
+
+
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -275,13 +308,21 @@ class RowGather:
         pairs: list[tuple[torch.Tensor, torch.Tensor]],
         source: tuple[torch.Tensor, torch.Tensor],
         target: tuple[torch.Tensor, torch.Tensor],
-        staging: torch.Tensor,
     ) -> None:
         self._pairs = pairs
         self._window, self._rows = source
         self._target, self._index = target
-        self._staging = staging
-        self._staged = staging if target[0].dim() == 2 else staging.view(-1)
+        self.staging_bytes = (
+            self._rows.numel() * self._window.shape[1] * self._window.element_size()
+        )
+        self._staging: torch.Tensor | None = None
+        self._staged: torch.Tensor | None = None
+
+    def bind(self, buffer: torch.Tensor) -> None:
+        """Stage rows in the first ``staging_bytes`` of ``buffer`` (a uint8 tensor)."""
+        shape = (self._rows.numel(), self._window.shape[1])
+        self._staging = buffer[: self.staging_bytes].view(self._window.dtype).view(shape)
+        self._staged = self._staging if self._target.dim() == 2 else self._staging.view(-1)
 
     @classmethod
     def plan(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> RowGather | None:
@@ -303,15 +344,11 @@ class RowGather:
             target = (flat, (starts_dst.unsqueeze(1) + torch.arange(row)).reshape(-1))
         else:
             target = (flat.view(-1, row), starts_dst // row)
-        staging = torch.empty((starts.numel(), row), dtype=dtype, device=device)
-        return cls(
-            pairs,
-            (window, starts.to(device)),
-            (target[0], target[1].to(device)),
-            staging,
-        )
+        return cls(pairs, (window, starts.to(device)), (target[0], target[1].to(device)))
 
     def run(self) -> None:
+        if self._staging is None or self._staged is None:
+            raise RuntimeError("RowGather.run before bind: it has no staging buffer")
         torch.index_select(self._window, 0, self._rows, out=self._staging)
         self._target.index_copy_(0, self._index, self._staged)
 
