@@ -11,7 +11,9 @@ else ``send``/``recv``, all consumers at once): that is the raw p2p baseline. Th
 before the first and the last sync; both are checked byte for byte unless ``--no-verify``.
 From the third sync on, the model's tensors being where they were, each sync is a replay of
 the last (one message per consumer; the engine's "Steady state"); ``--no-replay`` measures the
-chunk-by-chunk path instead, which a trainer that moves its storage every step would get.
+chunk-by-chunk path instead, which a trainer that moves its storage every step would get;
+``--in-place`` has the source vouch for in-place writes (``StateDictSource(in_place=True)``),
+so the steady-state check compares no tensor.
 A many-tensors case (``--many``: 100,000 small expert tensors, like a large MoE) measures
 set-up (bake + plan) time and per-sync overhead with many names.
 
@@ -135,11 +137,16 @@ class BenchTask(WeightTransferTask):
     for the same bytes."""
 
     def make_source(
-        self, producer_idx: int, num_producers: int, shapes: Any = None, **_: Any
+        self,
+        producer_idx: int,
+        num_producers: int,
+        shapes: Any = None,
+        in_place: bool = False,
+        **_: Any,
     ) -> WeightSource:
         dev = self.device
         self._state = {n: torch.zeros(s, dtype=d, device=dev) for n, (s, d) in shapes.items()}
-        return StateDictSource(self._state)
+        return StateDictSource(self._state, in_place=in_place)
 
     def before_producer_sync(
         self, step: int, source: WeightSource, syncs: int = 1, **_: Any
@@ -270,6 +277,7 @@ def run_case(
         config=config,
         shapes=shapes,
         moe=moe,
+        in_place=args.in_place,
         transposed_down=args.layout == "transposed",
         verify=not args.no_verify,
     )
@@ -294,6 +302,7 @@ def run_case(
         },
         "sync_s": sync_s,
         "replay": not args.no_replay,
+        "in_place": args.in_place,
         "sync_all_s": per_sync,
         "gb_s": moved / sync_s / 1e9,
         "raw_s": raw_s,
@@ -363,6 +372,11 @@ def main() -> None:
         "--no-replay",
         action="store_true",
         help="TransferConfig(replay=False): every sync chunk by chunk, steady state included",
+    )
+    ap.add_argument(
+        "--in-place",
+        action="store_true",
+        help="StateDictSource(in_place=True): the steady-state check compares no tensor",
     )
     ap.add_argument(
         "--trace", action="store_true", help="record the last sync's event timeline per rank"

@@ -675,14 +675,23 @@ class SwappingStorageTask(LlamaTransferTask):
     """A trainer that swaps its parameters' storage (``p.data = ...``) before sync 2: the
     tensor objects stay, so only their data pointers tell that the bytes moved."""
 
-    def make_source(self, *args: Any, open_only: bool = False, **kw: Any) -> Any:
+    def make_source(self, *args: Any, check: str = "current", **kw: Any) -> Any:
+        """``check``: how the source lets the producer see that nothing moved: "current"
+        (every tensor compared), "open_only" (every group opened and compared) or "in_place"
+        (the trainer vouches for in-place writes and says ``changed()`` after its swap)."""
         source = super().make_source(*args, **kw)
-        return OpenOnlySource(self._state) if open_only else source
+        if check == "open_only":
+            return OpenOnlySource(self._state)
+        if check == "in_place":
+            return StateDictSource(self._state, in_place=True)
+        return source
 
     def before_producer_sync(self, step: int, source: Any, **kw: Any) -> None:
         if step == 2:  # fresh storage; the old one keeps sync 1's bytes
             for t in self._state.values():
                 t.data = torch.empty_like(t.data)
+            if kw.get("check") == "in_place":
+                source.changed()
         super().before_producer_sync(step, source, **kw)
 
 
@@ -1027,15 +1036,13 @@ def test_read_path_steady_state_replays_whole_syncs(shapes: dict[str, Any], repl
     assert results[0]["syncs"][-1]["packed"] == results[0]["syncs"][1]["packed"]
 
 
-@pytest.mark.parametrize("open_only", [False, True])
+@pytest.mark.parametrize("check", ["current", "open_only", "in_place"])
 @distributed_test(timeout=150)
-def test_replay_stops_at_a_storage_swap_and_resumes(
-    shapes: dict[str, Any], open_only: bool
-) -> None:
+def test_replay_stops_at_a_storage_swap_and_resumes(shapes: dict[str, Any], check: str) -> None:
     """``p.data = ...`` before sync 3: that sync and the next are read chunk by chunk (the new
     storage is packed, then exposed and read in place); replays resume at sync 5. Whether the
-    source lists its tensors (``current``: the check opens nothing) or not (every group is
-    opened and compared)."""
+    source lists its tensors (``current``: the check opens nothing), or not (every group is
+    opened and compared), or vouches for in-place writes and says when it swapped."""
     _needs_nixl()
     results = _launch(
         3,
@@ -1046,13 +1053,14 @@ def test_replay_stops_at_a_storage_swap_and_resumes(
         syncs=6,
         shapes=shapes,
         config=_STEADY,
-        open_only=open_only,
+        check=check,
         env={"VLLM_DIST_WT_TRACE": "1"},
     )
     _assert_verified(results, 6)
     assert _replayed(results) == [[False, False, False, False, True, True]] * 3
     events = [e for _, e in results[0]["trace"]]  # the producer's last sync, a replay
-    assert ("opened" in events, "checked" in events) == (open_only, not open_only)
+    opened = check == "open_only"
+    assert ("opened" in events, "checked" in events) == (opened, not opened)
 
 
 class ChunkwiseConsumer(WeightConsumer):

@@ -784,7 +784,12 @@ class WeightProducer(_Engine):
         """Every served tensor as the source holds it now and its address (C-speed passes over
         one list), or None when the source cannot say without opening its groups."""
         tensors = self.source.current(self._served_names)
-        return None if tensors is None else (tensors, list(map(torch.Tensor.data_ptr, tensors)))
+        if tensors is None:
+            return None
+        seen = self._seen_current
+        if seen is not None and tensors is seen[0]:
+            return seen  # the source vouches: the list of the recorded sync, nothing moved
+        return tensors, list(map(torch.Tensor.data_ptr, tensors))
 
     def _unchanged(self, opened: Mapping[int, Mapping[str, torch.Tensor]]) -> bool:
         """Whether every group hands out the same tensor objects at the same addresses as when
@@ -1132,7 +1137,7 @@ def _same_tensors(
     now: tuple[list[torch.Tensor], list[int]], seen: tuple[list[torch.Tensor], list[int]] | None
 ) -> bool:
     """Whether ``now`` holds the very objects of ``seen``, at the same addresses."""
-    return (
+    return now is seen or (
         seen is not None
         and now[1] == seen[1]
         and len(now[0]) == len(seen[0])
