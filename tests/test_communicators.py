@@ -233,3 +233,18 @@ def test_row_gather_cpu(staging: int | None) -> None:
 @pytest.mark.parametrize("staging", [None, 16 << 10])
 def test_row_gather_cuda_graph(staging: int | None) -> None:
     _row_gather_case("cuda", staging)
+
+
+def test_row_gather_views_and_refusals() -> None:
+    """The flat views a ``RowGather`` reads through alias the memory they were given; a range
+    that cannot be viewed, or a device without raw views, gives None (pairs copied one by
+    one) instead of an error."""
+    from vllm_dist.implementations.communicators.common import _raw_tensor
+
+    owner = torch.arange(10, dtype=torch.int64)
+    flat = _raw_tensor(owner.data_ptr() + 8, 9, torch.int64, torch.device("cpu"))
+    assert flat is not None and flat.tolist() == list(range(1, 10))
+    flat[0] = 42  # the same bytes
+    assert owner[1] == 42
+    assert _raw_tensor(4096, 1 << 60, torch.int64, torch.device("cpu")) is None
+    assert _raw_tensor(owner.data_ptr(), 10, torch.int64, torch.device("meta")) is None

@@ -402,13 +402,17 @@ class _CudaArray:
 def _raw_tensor(
     address: int, count: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
-    """A tensor over memory it does not own (its owners must outlive it); None off CPU/CUDA."""
-    if device.type == "cuda":
-        flat = torch.as_tensor(_CudaArray(address, count, dtype), device=device)
-    elif device.type == "cpu":
-        buffer = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
-        flat = torch.frombuffer(buffer, dtype=dtype)
-    else:
+    """A tensor over memory it does not own (its owners must outlive it); None off CPU/CUDA or
+    where the range cannot be viewed (the pairs are then copied one by one)."""
+    try:
+        if device.type == "cuda":
+            flat = torch.as_tensor(_CudaArray(address, count, dtype), device=device)
+        elif device.type == "cpu":
+            buffer = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
+            flat = torch.frombuffer(buffer, dtype=dtype)
+        else:
+            return None
+    except (OverflowError, MemoryError, ValueError, TypeError, RuntimeError):
         return None
     return flat if flat.data_ptr() == address and flat.device == device else None
 
