@@ -81,13 +81,19 @@ def _descendants() -> set[int]:
     return found
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is alive and not a zombie (a process may exit while it is looked at)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _wait_gone(pids: set[int], timeout: float = 5.0) -> set[int]:
     deadline = time.monotonic() + timeout
     alive = set(pids)
     while alive and time.monotonic() < deadline:
-        alive = {
-            p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-        }
+        alive = {p for p in alive if _running(p)}
         time.sleep(0.05)
     return alive
 
