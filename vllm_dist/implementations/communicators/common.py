@@ -150,6 +150,12 @@ class CopyProgram:
         # (contiguous, element size, row length) -> pairs a RowGather may take
         rows: dict[tuple[bool, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         device = None
+
+        def batch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+            lists = batches.setdefault(pairs[0][0].dtype, ([], []))
+            lists[0].extend(d for d, _ in pairs)
+            lists[1].extend(s for _, s in pairs)
+
         for dst, src in zip(dsts, srcs, strict=True):
             nbytes = dst.numel() * dst.element_size()
             if not nbytes:
@@ -167,9 +173,7 @@ class CopyProgram:
             if key is not None:
                 rows.setdefault((flat, *key), []).append(pair)
             elif flat:
-                lists = batches.setdefault(pair[0].dtype, ([], []))
-                lists[0].append(pair[0])
-                lists[1].append(pair[1])
+                batch([pair])
             else:
                 self._solo.append(pair)
         self._gathers: list[RowGather] = []
@@ -179,9 +183,7 @@ class CopyProgram:
                 if gather is not None:
                     self._gathers.append(gather)
                 elif flat:
-                    lists = batches.setdefault(part[0][0].dtype, ([], []))
-                    lists[0].extend(d for d, _ in part)
-                    lists[1].extend(s for _, s in part)
+                    batch(part)
                 else:
                     self._solo.extend(part)
         self._batches = list(batches.values())
@@ -277,8 +279,9 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _rows_key(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int] | None:
-    """(element size, row length) of a strided pair whose rows (last dimension) are
-    contiguous on both sides, the pairs a ``RowGather`` can batch; None for any other."""
+    """(element size, row length) of a pair whose rows (last dimension) are contiguous on both
+    sides (a contiguous pair seen flat is one row), the pairs a ``RowGather`` can batch; None
+    for any other."""
     if (
         dst.dtype != src.dtype
         or dst.shape != src.shape
