@@ -36,17 +36,23 @@ consumer no staging slot used twice. Anything else — a swapped storage, a cons
 (re)joined, a consumer whose record cannot be replayed — falls back to the chunk-by-chunk path
 (a consumer reads a replay message as the last sync's announcements, one by one).
 
-Sync, push path: producers walk their chunks in the fleet-wide order (group, consumer, chunk)
-and consumers receive theirs in the same order, which keeps blocking sends deadlock-free. A
-producer packs chunk ``seq`` into slot ``seq % K`` of that consumer's ring while earlier slots
-are still being sent by a per-consumer sender thread; the per-group free barrier releases a
-group's source tensors once every chunk of it has been delivered.
+Sync, push path: producers walk their chunks group by group, consumers taking turns within a
+group (chunk i of each before chunk i + 1 of any), so a full ring for one consumer leaves the
+others fed. Every (producer, consumer) pair has its own thread on both ends and sends in its
+own chunk order, so a blocking send holds up only its pair. A per-consumer sender thread packs
+chunk ``seq`` into slot ``seq % K`` of that consumer's ring and sends it; the producer's own
+thread only waits for that slot's previous send before queueing the next chunk, which bounds
+how far ahead it opens groups. On the consumer a per-producer receiver thread takes every chunk
+of the sync in order and unpacks each straight after its recv (one staging slot per producer).
+The per-group free barrier releases a group's source tensors once every chunk of it has been
+delivered.
 """
 
 from __future__ import annotations
 
 import operator
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -666,8 +672,10 @@ class WeightProducer(_Engine):
             )
 
     def _build_schedule(self) -> None:
-        sched = [(c.group, cid, c.index) for cid, pair in self._pairs.items() for c in pair.chunks]
-        self._schedule = sorted(sched)
+        # consumers take turns within a group (chunk i of every consumer before chunk i + 1 of
+        # any), so a ring that is full for one consumer leaves the others fed
+        sched = [(c.group, c.index, cid) for cid, pair in self._pairs.items() for c in pair.chunks]
+        self._schedule = [(g, cid, i) for g, i, cid in sorted(sched)]
         for pair in self._pairs.values():
             pair.sync_bytes = sum(c.nbytes for c in pair.chunks)
         self._group_counts: dict[int, int] = {}
@@ -869,8 +877,13 @@ class WeightProducer(_Engine):
             what = f"producer {self.producer_id} -> consumer {cid}"
             timeout = self.config.stall_timeout
             slot = pair.ring.acquire(chunk.seq, chunk.nbytes, timeout, what)
-            self._pack(slot, pair, chunk, tensors)
-            handle = pair.worker.submit(_sender(self.communicator, slot, pair.peer_rank))
+            self._packed += 1
+            # packed by the sender thread right before its send: no hand-over between threads
+            # per chunk (on a busy host each costs a wake-up), and the slot's last send is over
+            dsts, srcs = self._pack_views(slot, pair, chunk, tensors)
+            handle = pair.worker.submit(
+                _sender(self.communicator, slot, pair.peer_rank, dsts, srcs)
+            )
             pair.ring.in_flight(chunk.seq, handle)
         handle.add_done_callback(_arrival(barrier, chunk.group))
 
@@ -899,7 +912,7 @@ class WeightProducer(_Engine):
             pair.slot_seq[index] = chunk.seq
             start = index * pair.slot_bytes
             slot = pair.ring.buffer[start : start + chunk.nbytes]
-            self._pack(slot, pair, chunk, tensors, defer=True)
+            self._pack(slot, pair, chunk, tensors)
             pair.outbox.append((self._syncs, chunk.seq, start, chunk.nbytes, None, None, None))
             pair.outbox_packed += 1
         pair.pending.append((chunk.seq, chunk.group))
@@ -1042,11 +1055,25 @@ class WeightProducer(_Engine):
         pair: _Pair,
         chunk: Chunk,
         tensors: Mapping[str, torch.Tensor],
-        *,
-        defer: bool = False,
     ) -> None:
-        """Copy the chunk's items into its slot; ``defer``: queue the copies for ``_announce``."""
+        """Queue the copies of the chunk's items into its slot for ``_announce``."""
         self._packed += 1
+        dsts, srcs = self._pack_views(slot, pair, chunk, tensors)
+        self._packs[0].extend(dsts)
+        self._packs[1].extend(srcs)
+        if pair.replay is not None:
+            pair.replay.dsts.extend(dsts)
+            pair.replay.srcs.extend(srcs)
+
+    def _pack_views(
+        self,
+        slot: torch.Tensor,
+        pair: _Pair,
+        chunk: Chunk,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(views into ``slot``, source views) of the chunk's items: packing copies one into
+        the other."""
         plan = pair.views[chunk.index]
         if plan.dsts is None or plan.slot_ptr != slot.data_ptr():  # views per slot it lands in
             plan.slot_ptr = slot.data_ptr()
@@ -1054,15 +1081,7 @@ class WeightProducer(_Engine):
                 slot[off : off + pair.items[i][2]].view(pair.items[i][0]).view(pair.items[i][1])
                 for i, off in zip(chunk.items, chunk.offsets, strict=True)
             ]
-        srcs = self._sources(pair, chunk, tensors)
-        if defer:
-            self._packs[0].extend(plan.dsts)
-            self._packs[1].extend(srcs)
-            if pair.replay is not None:
-                pair.replay.dsts.extend(plan.dsts)
-                pair.replay.srcs.extend(srcs)
-        else:
-            batched_copy(plan.dsts, srcs)
+        return plan.dsts, self._sources(pair, chunk, tensors)
 
     def _sources(
         self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
@@ -1238,12 +1257,21 @@ def _arrival(barrier: FreeBarrier, g: int) -> Callable[[Any], None]:
     return lambda _future: barrier.arrive(g)
 
 
-def _sender(comm: DeviceCommunicator, tensor: torch.Tensor, dst: int) -> Callable[[], None]:
-    return lambda: comm.send(tensor, dst)
+def _sender(
+    comm: DeviceCommunicator,
+    tensor: torch.Tensor,
+    dst: int,
+    pack_dsts: list[torch.Tensor] | None = None,
+    pack_srcs: list[torch.Tensor] | None = None,
+) -> Callable[[], None]:
+    """Send ``tensor`` to ``dst``, after copying ``pack_srcs`` into ``pack_dsts`` if given."""
 
+    def send() -> None:
+        if pack_dsts is not None and pack_srcs is not None:
+            batched_copy(pack_dsts, pack_srcs)
+        comm.send(tensor, dst)
 
-def _receiver(comm: DeviceCommunicator, tensor: torch.Tensor, src: int) -> Callable[[], Any]:
-    return lambda: comm.recv(tensor, src)
+    return send
 
 
 class WeightConsumer(_Engine):
@@ -1523,14 +1551,16 @@ class WeightConsumer(_Engine):
             if not chunks:
                 continue
             slot = slot_bytes(chunks, p, self.layout.align)
-            nbytes = slot * self.layout.ring_slots
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.communicator.device)
+            # push: one staging slot per producer (its receiver thread unpacks every chunk
+            # before the next recv); READ: K, reads run ahead of unpacks
+            k = self.layout.ring_slots if self._read else 1
+            buf = torch.empty(slot * k, dtype=torch.uint8, device=self.communicator.device)
             self._pairs[p] = _Pair(
                 peer_rank=prank,
                 chunks=chunks,
                 requests=self.requests,
                 slot_bytes=slot,
-                ring=ServeRing(buf, self.layout.ring_slots, slot),
+                ring=ServeRing(buf, k, slot),
                 worker=None if self._read else SerialWorker(f"wt-recv-p{p}"),
             )
         self._items = _item_table(self.requests)
@@ -1540,23 +1570,17 @@ class WeightConsumer(_Engine):
         self._targets: list[torch.Tensor | None] = [None] * len(self.chunks)
         k = self.layout.ring_slots
         # staging slot per chunk: READ, round robin over the chunks that may need staging (a
-        # direct chunk never does); push, seq % K in step with the producer's ring
+        # direct chunk never does); push, the producer's one slot
         staging: dict[int, int] = {}
         self._stage_slot: list[int] = []
         for c, direct in zip(self.chunks, self._direct, strict=True):
             if not self._read:
-                self._stage_slot.append(c.seq % k)
+                self._stage_slot.append(0)
             elif direct is None:
                 self._stage_slot.append(staging.get(c.producer, 0) % k)
                 staging[c.producer] = staging.get(c.producer, 0) + 1
             else:
                 self._stage_slot.append(-1)
-        last: dict[tuple[int, int], int] = {}
-        self._prev_in_slot: list[int] = []
-        for c in self.chunks:
-            key = (c.producer, c.seq % k)
-            self._prev_in_slot.append(last.get(key, -1))
-            last[key] = c.index
 
     # -- sync ----------------------------------------------------------------------------------
     def sync(self) -> SyncStats:
@@ -1582,19 +1606,23 @@ class WeightConsumer(_Engine):
         )
 
     def _receive_push(self) -> None:
+        """Every chunk goes to its producer's receiver thread at once. That thread receives the
+        producer's chunks in order and unpacks each straight after its recv, so a staging slot
+        is free again before a later chunk lands in it, and no recv waits for this thread to
+        wake up and unpack (on a busy host that wake-up, not the copy, was the cost)."""
         timeout = self.config.stall_timeout
-        handles: list[Any] = []
-        slots: list[torch.Tensor] = []
-        issued = 0
-        n = len(self.chunks)
-        for i, chunk in enumerate(self.chunks):
-            while issued < n and self._prev_in_slot[issued] < i:
-                self._issue(issued, handles, slots)
-                issued += 1
-            what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
-            wait_or_stall(handles[i], timeout, what)
-            if self._direct[i] is None:
-                self._unpack(slots[i], chunk)
+        failed = threading.Event()
+        handles = [self._issue(j, failed) for j in range(len(self.chunks))]
+        try:
+            for chunk, handle in zip(self.chunks, handles, strict=True):
+                what = (
+                    f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
+                )
+                wait_or_stall(handle, timeout, what)
+        except BaseException:
+            failed.set()  # what is still queued gives up instead of taking the next sync's bytes
+            raise
+        self._packed = sum(d is None for d in self._direct)
         wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
 
     def _receive_read(self) -> None:
@@ -1914,12 +1942,27 @@ class WeightConsumer(_Engine):
         start = self._stage_slot[j] * pair.slot_bytes
         return pair.ring.buffer[start : start + chunk.nbytes]
 
-    def _issue(self, j: int, handles: list[Any], slots: list[torch.Tensor]) -> None:
-        pair = self._pairs[self.chunks[j].producer]
+    def _issue(self, j: int, failed: threading.Event) -> Any:
+        """Queue chunk ``j``'s recv (and unpack) on its producer's receiver thread."""
+        chunk = self.chunks[j]
+        pair = self._pairs[chunk.producer]
         assert pair.worker is not None
         target = self._target(j)
-        handles.append(pair.worker.submit(_receiver(self.communicator, target, pair.peer_rank)))
-        slots.append(target)
+        unpack = self._direct[j] is None
+        comm, peer = self.communicator, pair.peer_rank
+
+        def receive() -> None:
+            if failed.is_set():
+                raise RuntimeError(f"chunk {chunk.seq} not received: an earlier one failed")
+            try:
+                comm.recv(target, peer)
+                if unpack:
+                    batched_copy(*self._unpack_plan(j, target))
+            except BaseException:
+                failed.set()
+                raise
+
+        return pair.worker.submit(receive)
 
     def _direct_dest(self, chunk: Chunk) -> torch.Tensor | None:
         """A one-item chunk's destination bytes when it is contiguous and of the wire dtype."""
@@ -1930,10 +1973,6 @@ class WeightConsumer(_Engine):
         if not self._suffixes[i] and dest.is_contiguous() and dest.dtype == self._items[i][0]:
             return _as_bytes(dest)
         return None
-
-    def _unpack(self, slot: torch.Tensor, chunk: Chunk) -> None:
-        self._packed += 1
-        batched_copy(*self._unpack_plan(chunk.index, slot))
 
     def _unpack_plan(
         self, j: int, slot: torch.Tensor | None = None
