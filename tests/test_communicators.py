@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 
 from tests.conformance import CommunicatorConformance
 from tests.utils import cuda_device_count
-from vllm_dist import CommOp, register_communicator
+from vllm_dist import (
+    CommOp,
+    CommunicatorType,
+    CoordinatorType,
+    GlobalCoordinatorDistributedTask,
+    MPLauncher,
+    register_communicator,
+)
 from vllm_dist.implementations.communicators.torch_distributed import (
     TorchDistributedCommunicator,
 )
@@ -248,3 +258,34 @@ def test_row_gather_views_and_refusals() -> None:
     assert owner[1] == 42
     assert _raw_tensor(4096, 1 << 60, torch.int64, torch.device("cpu")) is None
     assert _raw_tensor(owner.data_ptr(), 10, torch.int64, torch.device("meta")) is None
+
+
+class _UnmatchedRecv(GlobalCoordinatorDistributedTask):
+    """Rank 1 posts a receive that rank 0 never matches."""
+
+    def post_init_distributed(self, **_: Any) -> str:
+        comm: Any = self.communicator
+        outcome = "sender"
+        if self.coordinator.get_rank() == 1:
+            start = time.monotonic()
+            try:
+                comm.irecv(torch.zeros(4), 0).wait(0.5)
+                outcome = "completed"
+            except TimeoutError as exc:
+                outcome = f"TimeoutError after {time.monotonic() - start:.1f} s: {exc}"
+        self.coordinator.barrier()
+        return outcome
+
+
+def test_posted_recv_times_out_as_timeout_error() -> None:
+    """gloo raises a RuntimeError when a posted receive times out; the communicator hands the
+    caller a ``TimeoutError`` (what the stall checks catch), within the timeout given."""
+    results = MPLauncher(2, timeout=60).launch(
+        task_type=_UnmatchedRecv,
+        coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
+        communicator_type=CommunicatorType.TORCH_DISTRIBUTED,
+        device="cpu",
+    )
+    assert results[0] == "sender"
+    assert results[1].startswith("TimeoutError after 0."), results[1]
+    assert "within 0.5 s" in results[1]

@@ -7,6 +7,7 @@ Needs a ``TorchDistributedCoordinator``: both live in one torch.distributed worl
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
@@ -31,6 +32,29 @@ _TORCH_OPS = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.MAX: dist.ReduceOp.MAX,
 }
+
+
+class PendingTransfer:
+    """A started ``isend`` / ``irecv``. ``wait(timeout)`` returns True once it completed
+    (on CUDA: once it is ordered before later work on the current stream) and raises
+    ``TimeoutError`` when it did not complete in ``timeout`` seconds; gloo then closes the
+    connection to that peer, so a timed-out transfer ends the communicator's use."""
+
+    def __init__(self, work: Any, what: str) -> None:
+        self._work = work
+        self._what = what
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise TimeoutError(f"{self._what} did not complete within {timeout} s") from exc
+            raise
+        return True
 
 
 class TorchDistributedCommunicator(DeviceCommunicator):
@@ -162,6 +186,19 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         self._check_peer(src)
         dist.recv(tensor, group_src=src, group=self._require())
         return tensor
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> PendingTransfer:
+        """Start sending ``tensor`` to ``dst``; leave ``tensor`` alone until ``wait`` is True."""
+        check_tensor(tensor, self._device)
+        self._check_peer(dst)
+        return PendingTransfer(dist.isend(tensor, group_dst=dst, group=self._require()), "send")
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> PendingTransfer:
+        """Post a receive into ``tensor`` from ``src`` (matched in posting order per peer);
+        read ``tensor`` once ``wait`` is True."""
+        check_tensor(tensor, self._device)
+        self._check_peer(src)
+        return PendingTransfer(dist.irecv(tensor, group_src=src, group=self._require()), "recv")
 
     def close(self) -> None:
         group, self._group = self._group, None

@@ -56,7 +56,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -109,6 +111,7 @@ from vllm_dist.tasks.weight_transfer.ring import (
     FreeBarrier,
     SerialWorker,
     ServeRing,
+    Waitable,
     wait_or_stall,
 )
 from vllm_dist.tasks.weight_transfer.source import WeightSource, dtype_from_str
@@ -1130,6 +1133,7 @@ _MAX_PINNED = 1024  # destination storages a consumer registers up front on the 
 _BATCHES_IN_FLIGHT = 4  # batched reads a consumer keeps posted at once on the READ path
 _ANNOUNCE_BYTES = 256 << 20  # a producer announces at least this often within a long group
 _FIRST_ANNOUNCE_BYTES = 16 << 20  # the first announcement of a sync, when batching by bytes
+_RECV_AHEAD = 8  # push path: receives a consumer keeps posted per producer (``irecv``)
 
 
 _STRIDED_DIRECT_BYTES = 8 << 10  # with strided reads, items this large are read in place
@@ -1606,24 +1610,74 @@ class WeightConsumer(_Engine):
         )
 
     def _receive_push(self) -> None:
-        """Every chunk goes to its producer's receiver thread at once. That thread receives the
-        producer's chunks in order and unpacks each straight after its recv, so a staging slot
-        is free again before a later chunk lands in it, and no recv waits for this thread to
-        wake up and unpack (on a busy host that wake-up, not the copy, was the cost)."""
+        """Each producer's receiver thread takes that producer's chunks of the sync in order
+        (``_receive_from``); this thread only waits for them, chunk by chunk."""
         timeout = self.config.stall_timeout
         failed = threading.Event()
-        handles = [self._issue(j, failed) for j in range(len(self.chunks))]
+        done: list[Future[None]] = [Future() for _ in self.chunks]
+        for p, pair in self._pairs.items():
+            assert pair.worker is not None
+            mine = [j for j, c in enumerate(self.chunks) if c.producer == p]
+            pair.worker.submit(partial(self._receive_from, pair, mine, done, failed))
         try:
-            for chunk, handle in zip(self.chunks, handles, strict=True):
+            for chunk, future in zip(self.chunks, done, strict=True):
                 what = (
                     f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
                 )
-                wait_or_stall(handle, timeout, what)
+                wait_or_stall(Waitable(future), timeout, what)
         except BaseException:
             failed.set()  # what is still queued gives up instead of taking the next sync's bytes
             raise
         self._packed = sum(d is None for d in self._direct)
         wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
+
+    def _receive_from(
+        self, pair: _Pair, chunks: list[int], done: list[Future[None]], failed: threading.Event
+    ) -> None:
+        """Receive one producer's chunks in order, unpacking each staged one straight after it
+        lands, on this (the pair's receiver) thread: no recv waits for another thread to wake
+        up and unpack. A communicator with ``irecv`` gets up to ``_RECV_AHEAD`` receives posted
+        ahead (a staged chunk once the one before it left the pair's staging slot), so the
+        producer's sends never wait for a receive to be posted."""
+        comm, peer, timeout = self.communicator, pair.peer_rank, self.config.stall_timeout
+        irecv = getattr(comm, "irecv", None)
+        ahead = _RECV_AHEAD if irecv is not None else 1
+        posted: deque[tuple[int, Any]] = deque()
+        staged = 0  # staged chunks among the posted ones (at most one: one staging slot)
+
+        def finish() -> None:
+            nonlocal staged
+            j, handle = posted.popleft()
+            if handle is not None:
+                what = f"consumer {self.consumer_id} <- producer {self.chunks[j].producer}"
+                wait_or_stall(handle, timeout, f"{what} (chunk {self.chunks[j].seq})")
+            if self._direct[j] is None:
+                batched_copy(*self._unpack_plan(j, self._target(j)))
+                staged -= 1
+            done[j].set_result(None)
+
+        try:
+            for j in chunks:
+                if failed.is_set():
+                    raise RuntimeError("an earlier chunk of this sync failed")
+                is_staged = self._direct[j] is None
+                while posted and (len(posted) >= ahead or (is_staged and staged)):
+                    finish()
+                target = self._target(j)
+                if irecv is None:
+                    comm.recv(target, peer)
+                    posted.append((j, None))
+                else:
+                    posted.append((j, irecv(target, peer)))
+                staged += is_staged
+            while posted:
+                finish()
+        except BaseException as exc:
+            failed.set()
+            for j in chunks:
+                if not done[j].done():
+                    done[j].set_exception(exc)
+            raise
 
     def _receive_read(self) -> None:
         """Pull every announced chunk in one batched read per producer, up to
@@ -1941,28 +1995,6 @@ class WeightConsumer(_Engine):
         assert pair.ring is not None
         start = self._stage_slot[j] * pair.slot_bytes
         return pair.ring.buffer[start : start + chunk.nbytes]
-
-    def _issue(self, j: int, failed: threading.Event) -> Any:
-        """Queue chunk ``j``'s recv (and unpack) on its producer's receiver thread."""
-        chunk = self.chunks[j]
-        pair = self._pairs[chunk.producer]
-        assert pair.worker is not None
-        target = self._target(j)
-        unpack = self._direct[j] is None
-        comm, peer = self.communicator, pair.peer_rank
-
-        def receive() -> None:
-            if failed.is_set():
-                raise RuntimeError(f"chunk {chunk.seq} not received: an earlier one failed")
-            try:
-                comm.recv(target, peer)
-                if unpack:
-                    batched_copy(*self._unpack_plan(j, target))
-            except BaseException:
-                failed.set()
-                raise
-
-        return pair.worker.submit(receive)
 
     def _direct_dest(self, chunk: Chunk) -> torch.Tensor | None:
         """A one-item chunk's destination bytes when it is contiguous and of the wire dtype."""
