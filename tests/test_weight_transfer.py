@@ -463,8 +463,11 @@ def _assert_verified(results: list[dict[str, Any]], syncs: int) -> None:
         assert all(o["verified"] for o in r["outputs"]), r["outputs"]
 
 
+@pytest.mark.parametrize("threads", [True, False], ids=["pair_threads", "fleet_order"])
 @distributed_test(timeout=120)
-def test_sync_llama_tp2_two_replicas(shapes: dict[str, Any]) -> None:
+def test_sync_llama_tp2_two_replicas(shapes: dict[str, Any], threads: bool) -> None:
+    """Push path, both ways to drive it: a thread per pair (gloo's default) and every rank
+    issuing its transfers from one thread in the fleet order (NCCL's)."""
     results = _launch(
         6,
         num_producers=2,
@@ -472,7 +475,7 @@ def test_sync_llama_tp2_two_replicas(shapes: dict[str, Any]) -> None:
         syncs=3,
         shapes=shapes,
         # items of 4 KiB and up travel alone, zero-copy where the views are contiguous
-        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096, push_threads=threads),
     )
     _assert_verified(results, 3)
     summary = summarize(results)
@@ -483,9 +486,12 @@ def test_sync_llama_tp2_two_replicas(shapes: dict[str, Any]) -> None:
     assert summary["verified"] and summary["path"] == "send_recv"
 
 
+@pytest.mark.parametrize("threads", [True, False], ids=["pair_threads", "fleet_order"])
 @distributed_test(timeout=120)
-def test_sync_pipeline_stage_producers_deep_ring_many_chunks(shapes: dict[str, Any]) -> None:
-    config = TransferConfig(ring_slots=8, max_chunk_bytes=4096, align=512)
+def test_sync_pipeline_stage_producers_deep_ring_many_chunks(
+    shapes: dict[str, Any], threads: bool
+) -> None:
+    config = TransferConfig(ring_slots=8, max_chunk_bytes=4096, align=512, push_threads=threads)
     results = _launch(
         4, num_producers=2, num_consumers=2, syncs=3, shapes=shapes, stages=True, config=config
     )
@@ -612,8 +618,9 @@ class DyingConsumer(LlamaTransferTask):
         return super().after_consumer_sync(step, spec, **kw)
 
 
+@pytest.mark.parametrize("threads", [True, False], ids=["pair_threads", "fleet_order"])
 @distributed_test(timeout=120)
-def test_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]) -> None:
+def test_consumer_death_ends_the_producers_sync(shapes: dict[str, Any], threads: bool) -> None:
     start = time.monotonic()
     producers, consumers = _launch_halves(
         _free_port(),
@@ -622,10 +629,13 @@ def test_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]) -> None:
         90,
         syncs=3,
         shapes=shapes,
-        config=TransferConfig(stall_timeout=5.0),
+        config=TransferConfig(stall_timeout=5.0, push_threads=threads),
         coordinator_options={"timeout": 20.0},
     )
-    assert isinstance(consumers, LaunchError) and consumers.ranks == [1]
+    assert isinstance(consumers, LaunchError) and 1 in consumers.ranks
+    # with a thread per pair the other consumer had its chunks already; in fleet order the
+    # producer stopped at the dead one, so the other one's sync fails too (it does not hang)
+    assert consumers.ranks == [1] or not threads, consumers
     assert isinstance(producers, LaunchError), producers  # the trainer side ended on its own
     assert time.monotonic() - start < 60
 

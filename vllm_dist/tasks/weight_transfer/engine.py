@@ -45,7 +45,11 @@ thread only waits for that slot's previous send before queueing the next chunk, 
 how far ahead it opens groups. On the consumer a per-producer receiver thread takes every chunk
 of the sync in order and unpacks each straight after its recv (one staging slot per producer).
 The per-group free barrier releases a group's source tensors once every chunk of it has been
-delivered.
+delivered. On CUDA (``TransferConfig.push_threads``) every rank instead issues its sends or
+receives from its own thread in that fleet-wide order, each pack and unpack on the stream
+behind the transfer it feeds: NCCL communicators are not thread-safe, a send or recv holds its
+stream until the peer's match, and one order on every rank is what keeps that deadlock-free
+(the first unfinished transfer of the order is at the head of both its ranks' queues).
 """
 
 from __future__ import annotations
@@ -163,6 +167,13 @@ class TransferConfig:
             where it was last sync runs as a replay of that sync: one message per consumer, no
             per-chunk work (module docstring, "Steady state"). False: every sync chunk by
             chunk.
+        push_threads: push path. True: a sender thread per consumer and a receiver thread per
+            producer, so a blocking send holds up only its pair (gloo). False: every rank
+            issues its sends or receives from its own thread, one after another in the
+            fleet-wide order — what NCCL needs: its communicators are not thread-safe, and a
+            send or recv blocks its stream until the peer's matching call, so two threads
+            feeding one stream in changing order can deadlock. None (auto): False on CUDA
+            (stream-ordered sends), True elsewhere.
     """
 
     ring_slots: int = 2
@@ -176,6 +187,7 @@ class TransferConfig:
     transport: str = "auto"
     strided_reads: bool | None = None
     replay: bool = True
+    push_threads: bool | None = None
 
     def __post_init__(self) -> None:
         self.layout()  # validates the layout fields
@@ -339,6 +351,10 @@ class _Engine:
         self._shapes = _ShapeCache()
         self._views = ViewCache()
         self._read = _uses_read(communicator, config.transport)
+        threads = config.push_threads
+        if threads is None:
+            threads = communicator.device.type != "cuda"
+        self._threads = not self._read and threads  # push path: a thread per pair
         self._syncs = 0
         self.setup_phases: dict[str, float] = {}  # seconds per set-up step, for benchmarks
         # VLLM_DIST_WT_TRACE=1: (monotonic time, event) of the last sync, for benchmarks
@@ -595,7 +611,7 @@ class WeightProducer(_Engine):
             alloc = buffer_alloc_bytes(ring_bytes, self.config.presize_bytes)
             buf = torch.empty(alloc, dtype=torch.uint8, device=self.communicator.device)
             pair.ring = ServeRing(buf, self.layout.ring_slots, slot)
-            if not self._read:
+            if self._threads:
                 pair.worker = SerialWorker(f"wt-serve-c{cid}")
         self._pairs[cid] = pair
 
@@ -872,8 +888,18 @@ class WeightProducer(_Engine):
         tensors: Mapping[str, torch.Tensor],
         barrier: FreeBarrier,
     ) -> None:
-        assert pair.ring is not None and pair.worker is not None
+        assert pair.ring is not None
         direct = self._direct_view(pair, chunk, tensors)
+        if pair.worker is None:  # in fleet order from this thread: a slot is reused only
+            # after its last send returned (blocking) or behind it on the stream (NCCL)
+            if direct is None:
+                self._packed += 1
+                direct = pair.ring.acquire(chunk.seq, chunk.nbytes, 0.0, "")  # nothing in flight
+                batched_copy(*self._pack_views(direct, pair, chunk, tensors))
+            what = f"producer {self.producer_id} -> consumer {cid} (chunk {chunk.seq})"
+            _transfer(self.communicator, "send", direct, pair.peer_rank, self.config, what)
+            barrier.arrive(chunk.group)
+            return
         if direct is not None:
             handle = pair.worker.submit(_sender(self.communicator, direct, pair.peer_rank))
         else:
@@ -1261,6 +1287,23 @@ def _arrival(barrier: FreeBarrier, g: int) -> Callable[[Any], None]:
     return lambda _future: barrier.arrive(g)
 
 
+def _transfer(
+    comm: DeviceCommunicator,
+    verb: str,
+    tensor: torch.Tensor,
+    peer: int,
+    config: TransferConfig,
+    what: str,
+) -> None:
+    """``comm.send`` / ``comm.recv``, bounded by the stall timeout where the communicator can
+    post the transfer (``isend`` / ``irecv``) and wait with a timeout."""
+    post = getattr(comm, "i" + verb, None)
+    if post is None:
+        getattr(comm, verb)(tensor, peer)
+    else:
+        wait_or_stall(post(tensor, peer), config.stall_timeout, what)
+
+
 def _sender(
     comm: DeviceCommunicator,
     tensor: torch.Tensor,
@@ -1565,7 +1608,7 @@ class WeightConsumer(_Engine):
                 requests=self.requests,
                 slot_bytes=slot,
                 ring=ServeRing(buf, k, slot),
-                worker=None if self._read else SerialWorker(f"wt-recv-p{p}"),
+                worker=SerialWorker(f"wt-recv-p{p}") if self._threads else None,
             )
         self._items = _item_table(self.requests)
         self._suffixes = _shared_splits(self.requests, 1)
@@ -1611,8 +1654,22 @@ class WeightConsumer(_Engine):
 
     def _receive_push(self) -> None:
         """Each producer's receiver thread takes that producer's chunks of the sync in order
-        (``_receive_from``); this thread only waits for them, chunk by chunk."""
+        (``_receive_from``); this thread only waits for them, chunk by chunk. Without push
+        threads this thread receives every chunk itself, in plan order."""
         timeout = self.config.stall_timeout
+        if not self._threads:  # in plan order (the fleet order) from this thread
+            for j, chunk in enumerate(self.chunks):
+                target = self._target(j)
+                peer = self._pairs[chunk.producer].peer_rank
+                what = (
+                    f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
+                )
+                _transfer(self.communicator, "recv", target, peer, self.config, what)
+                if self._direct[j] is None:  # behind the recv: a blocking one, or on its stream
+                    batched_copy(*self._unpack_plan(j, target))
+            self._packed = sum(d is None for d in self._direct)
+            wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
+            return
         failed = threading.Event()
         done: list[Future[None]] = [Future() for _ in self.chunks]
         for p, pair in self._pairs.items():
