@@ -500,6 +500,40 @@ def test_sync_pipeline_stage_producers_deep_ring_many_chunks(
     assert all(r["syncs"][0]["chunks"] > 8 for r in producers)  # ring deeper than groups, wraps
 
 
+def _with_experts(shapes: dict[str, Any], experts: int) -> dict[str, Any]:
+    """``shapes`` plus Mixtral-style experts per layer: many small tensors whose row-parallel
+    shards (w2) are strided, so packs and unpacks take ``CopyProgram`` gathers."""
+    out = dict(shapes)
+    layers = sorted({n.split(".")[2] for n in shapes if n.startswith("model.layers.")})
+    for i in layers:
+        for e in range(experts):
+            base = f"model.layers.{i}.block_sparse_moe.experts.{e}"
+            out[f"{base}.w1.weight"] = ((16, 8), torch.bfloat16)
+            out[f"{base}.w3.weight"] = ((16, 8), torch.bfloat16)
+            out[f"{base}.w2.weight"] = ((8, 16), torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("threads", [True, False], ids=["pair_threads", "fleet_order"])
+@distributed_test(timeout=120)
+def test_sync_many_small_experts_push_path(shapes: dict[str, Any], threads: bool) -> None:
+    """Two producers (expert owners split by stage), two TP-2 consumers, 48 experts a layer:
+    byte-exact over syncs, through the packing and unpacking programs and their gathers."""
+    config = TransferConfig(push_threads=threads, ring_slots=2)
+    results = _launch(
+        4,
+        num_producers=2,
+        num_consumers=2,
+        syncs=3,
+        shapes=_with_experts(shapes, 48),
+        stages=True,
+        config=config,
+    )
+    _assert_verified(results, 3)
+    consumers = [r for r in results if r["role"] == "consumer"]
+    assert all(r["syncs"][-1]["packed"] > 0 for r in consumers)  # staged chunks were unpacked
+
+
 @distributed_test(timeout=150)
 def test_sync_real_hf_llama_module() -> None:
     results = _launch(

@@ -6,6 +6,7 @@ import ctypes
 import itertools
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -139,11 +140,18 @@ class CopyProgram:
     On CUDA with ``graph``, the launches are recorded into a CUDA graph at the first ``run``,
     so each later run costs one launch however many pairs it copies (100,000 expert slices
     included). The tensors must stay where they are while the program is used, and no two
-    destinations may overlap (the pairs do not run in the order given).
+    destinations may overlap (the pairs do not run in the order given). ``staging(nbytes)``
+    hands out the gathers' staging buffer (uint8, at least ``nbytes``) so that programs run
+    one after another can share one; by default the program allocates its own.
     """
 
     def __init__(
-        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, graph: bool = True
+        self,
+        dsts: list[torch.Tensor],
+        srcs: list[torch.Tensor],
+        *,
+        graph: bool = True,
+        staging: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self._solo: list[tuple[torch.Tensor, torch.Tensor]] = []
         batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -187,9 +195,12 @@ class CopyProgram:
                 else:
                     self._solo.extend(part)
         self._batches = list(batches.values())
-        staging = max((g.staging_bytes for g in self._gathers), default=0)
-        if staging:  # the gathers run one after another: one staging buffer serves them all
-            buffer = torch.empty(staging, dtype=torch.uint8, device=device)
+        need = max((g.staging_bytes for g in self._gathers), default=0)
+        if need:  # the gathers run one after another: one staging buffer serves them all
+            if staging is None:
+                buffer = torch.empty(need, dtype=torch.uint8, device=device)
+            else:
+                buffer = staging(need)
             for gather in self._gathers:
                 gather.bind(buffer)
         self._device = device

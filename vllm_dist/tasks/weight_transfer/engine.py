@@ -279,6 +279,17 @@ class _Pair:
     views: dict[int, Any] = field(default_factory=dict)  # chunk index -> its pack plan / views
     # READ path, steady state (``_Replay``): what the last complete sync did for this pair
     replay: _Replay | None = None
+    staging: torch.Tensor | None = None  # push path: the pair's programs' gathers stage here
+
+    def stage(self, nbytes: int) -> torch.Tensor:
+        """The pair's staging buffer for ``CopyProgram`` gathers: one slot's size, so one
+        serves every chunk's program (they run one after another on the pair's thread or
+        stream)."""
+        assert self.ring is not None
+        if self.staging is None or self.staging.numel() < nbytes:
+            size = max(nbytes, self.slot_bytes)
+            self.staging = torch.empty(size, dtype=torch.uint8, device=self.ring.buffer.device)
+        return self.staging
 
 
 @dataclass(kw_only=True)
@@ -895,7 +906,7 @@ class WeightProducer(_Engine):
             if direct is None:
                 self._packed += 1
                 direct = pair.ring.acquire(chunk.seq, chunk.nbytes, 0.0, "")  # nothing in flight
-                batched_copy(*self._pack_views(direct, pair, chunk, tensors))
+                self._packer(direct, pair, chunk, tensors)()
             what = f"producer {self.producer_id} -> consumer {cid} (chunk {chunk.seq})"
             _transfer(self.communicator, "send", direct, pair.peer_rank, self.config, what)
             barrier.arrive(chunk.group)
@@ -909,10 +920,8 @@ class WeightProducer(_Engine):
             self._packed += 1
             # packed by the sender thread right before its send: no hand-over between threads
             # per chunk (on a busy host each costs a wake-up), and the slot's last send is over
-            dsts, srcs = self._pack_views(slot, pair, chunk, tensors)
-            handle = pair.worker.submit(
-                _sender(self.communicator, slot, pair.peer_rank, dsts, srcs)
-            )
+            pack = self._packer(slot, pair, chunk, tensors)
+            handle = pair.worker.submit(_sender(self.communicator, slot, pair.peer_rank, pack))
             pair.ring.in_flight(chunk.seq, handle)
         handle.add_done_callback(_arrival(barrier, chunk.group))
 
@@ -1094,6 +1103,30 @@ class WeightProducer(_Engine):
             pair.replay.dsts.extend(dsts)
             pair.replay.srcs.extend(srcs)
 
+    def _packer(
+        self,
+        slot: torch.Tensor,
+        pair: _Pair,
+        chunk: Chunk,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> Callable[[], None]:
+        """What packs the chunk into ``slot`` (push path): a ``CopyProgram`` kept while the
+        chunk's sources and slot stay (planned once: widened views, one gather for many small
+        strided items such as row-parallel expert shards), or a one-off batched copy of the
+        fresh bytes of a chain that copies."""
+        dsts, srcs = self._pack_views(slot, pair, chunk, tensors)
+        plan = pair.views[chunk.index]
+        if plan.copies:
+            return partial(batched_copy, dsts, srcs)
+        prog = plan.program
+        if prog is None or prog[0] is not dsts or prog[1] is not srcs:
+            prog = plan.program = (
+                dsts,
+                srcs,
+                CopyProgram(dsts, srcs, graph=False, staging=pair.stage),
+            )
+        return prog[2].run
+
     def _pack_views(
         self,
         slot: torch.Tensor,
@@ -1153,6 +1186,8 @@ class _PackPlan:
     # (srcs, exposed name, byte offset, strides or None): the chunk is read in place
     inplace: tuple[list[torch.Tensor], str, int, tuple[int, ...] | None] | None = None
     copies: bool = False  # a prefix chain copies: ``srcs`` are fresh every sync
+    # push path: (dsts, srcs, the program that copies one into the other), while both stay
+    program: tuple[list[torch.Tensor], list[torch.Tensor], CopyProgram] | None = None
 
 
 _MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
@@ -1308,14 +1343,13 @@ def _sender(
     comm: DeviceCommunicator,
     tensor: torch.Tensor,
     dst: int,
-    pack_dsts: list[torch.Tensor] | None = None,
-    pack_srcs: list[torch.Tensor] | None = None,
+    pack: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
-    """Send ``tensor`` to ``dst``, after copying ``pack_srcs`` into ``pack_dsts`` if given."""
+    """Send ``tensor`` to ``dst``, after running ``pack`` (which fills it) if given."""
 
     def send() -> None:
-        if pack_dsts is not None and pack_srcs is not None:
-            batched_copy(pack_dsts, pack_srcs)
+        if pack is not None:
+            pack()
         comm.send(tensor, dst)
 
     return send
@@ -1355,6 +1389,7 @@ class WeightConsumer(_Engine):
         self.requests: list[Request] = []
         self._dests: list[torch.Tensor] = []
         self._unpack_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._unpack_programs: dict[int, CopyProgram] = {}  # push path, by chunk index
         self.bake_seconds = 0.0
         want = self.config.strided_reads
         capable = self._read and isinstance(communicator, StridedReadCommunicator)
@@ -1666,7 +1701,7 @@ class WeightConsumer(_Engine):
                 )
                 _transfer(self.communicator, "recv", target, peer, self.config, what)
                 if self._direct[j] is None:  # behind the recv: a blocking one, or on its stream
-                    batched_copy(*self._unpack_plan(j, target))
+                    self._unpacker(j)()
             self._packed = sum(d is None for d in self._direct)
             wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
             return
@@ -1709,7 +1744,7 @@ class WeightConsumer(_Engine):
                 what = f"consumer {self.consumer_id} <- producer {self.chunks[j].producer}"
                 wait_or_stall(handle, timeout, f"{what} (chunk {self.chunks[j].seq})")
             if self._direct[j] is None:
-                batched_copy(*self._unpack_plan(j, self._target(j)))
+                self._unpacker(j)()
                 staged -= 1
             done[j].set_result(None)
 
@@ -2062,6 +2097,19 @@ class WeightConsumer(_Engine):
         if not self._suffixes[i] and dest.is_contiguous() and dest.dtype == self._items[i][0]:
             return _as_bytes(dest)
         return None
+
+    def _unpacker(self, j: int) -> Callable[[], None]:
+        """What unpacks chunk ``j`` from its staging slot (push path): a ``CopyProgram``,
+        planned once (the slot and destinations never move); its gathers stage in the
+        producer pair's buffer (chunks of one producer are unpacked one after another)."""
+        prog = self._unpack_programs.get(j)
+        if prog is None:
+            pair = self._pairs[self.chunks[j].producer]
+            dsts, srcs = self._unpack_plan(j)
+            prog = self._unpack_programs[j] = CopyProgram(
+                dsts, srcs, graph=False, staging=pair.stage
+            )
+        return prog.run
 
     def _unpack_plan(
         self, j: int, slot: torch.Tensor | None = None

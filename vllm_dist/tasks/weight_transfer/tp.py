@@ -80,9 +80,10 @@ def llama_tp_layout(
 
     ``shapes`` maps every HF name to (shape, dtype). q/k/v go into a fused column-parallel
     ``qkv_proj``, gate/up into ``gate_up_proj``, o/down are row parallel, embeddings and the LM
-    head vocab parallel, norms replicated. ``transposed_down``: ``down_proj`` is stored
-    transposed (``[in / tp, out]``, as kernels that want K-major weights keep it) instead of
-    vLLM's ``[out, in / tp]``. Returns (params, routes by HF name).
+    head vocab parallel, Mixtral-style experts (``...experts.<e>.w1/w3/w2.weight``) like the MLP,
+    norms replicated. ``transposed_down``: ``down_proj`` is stored transposed (``[in / tp,
+    out]``, as kernels that want K-major weights keep it) instead of vLLM's ``[out, in / tp]``.
+    Returns (params, routes by HF name).
     """
     params: dict[str, torch.Tensor] = {}
     routes: dict[str, list[tuple[str, Loader]]] = {}
@@ -113,6 +114,15 @@ def llama_tp_layout(
         elif module in ("o_proj", "down_proj") and leaf == "weight":
             alloc(name, (shape[0], shape[1] // tp_size), dtype)
             routes[name] = [(name, row_parallel(tp_rank, tp_size))]
+        elif ".experts." in name and module in ("w1", "w3", "w2") and leaf == "weight":
+            # Mixtral-style experts, each sharded like the MLP it is: w1 / w3 (gate / up)
+            # column parallel, w2 (down) row parallel
+            if module == "w2":
+                alloc(name, (shape[0], shape[1] // tp_size), dtype)
+                routes[name] = [(name, row_parallel(tp_rank, tp_size))]
+            else:
+                alloc(name, (shape[0] // tp_size, *shape[1:]), dtype)
+                routes[name] = [(name, column_parallel(tp_rank, tp_size))]
         elif module in ("embed_tokens", "lm_head"):
             alloc(name, (shape[0] // tp_size, *shape[1:]), dtype)
             routes[name] = [(name, column_parallel(tp_rank, tp_size))]
