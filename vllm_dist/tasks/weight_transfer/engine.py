@@ -1331,9 +1331,11 @@ def _transfer(
     what: str,
 ) -> None:
     """``comm.send`` / ``comm.recv``, bounded by the stall timeout where the communicator can
-    post the transfer (``isend`` / ``irecv``) and wait with a timeout."""
+    post the transfer (``isend`` / ``irecv``) and wait with a timeout. On CUDA the transfer is
+    only queued on the stream (a host wait per transfer would serialize them); the stall bound
+    there is the caller's ``wait_device`` at the end of the sync."""
     post = getattr(comm, "i" + verb, None)
-    if post is None:
+    if post is None or tensor.device.type == "cuda":
         getattr(comm, verb)(tensor, peer)
     else:
         wait_or_stall(post(tensor, peer), config.stall_timeout, what)
