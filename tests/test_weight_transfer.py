@@ -514,19 +514,41 @@ def _with_experts(shapes: dict[str, Any], experts: int) -> dict[str, Any]:
     return out
 
 
+class SplitExpertsTask(LlamaTransferTask):
+    """Every producer holds the dense weights; the experts are dealt out between them, so a
+    consumer's chunks of one layer come from several producers, interleaved in its plan."""
+
+    def make_source(
+        self, producer_idx: int, num_producers: int, shapes: Any = None, **_: Any
+    ) -> StateDictSource:
+        state = self._state = allocate(shapes or {}, self.device)
+        held = [
+            n
+            for n in state
+            if ".experts." not in n
+            or int(n.split(".experts.")[1].split(".")[0]) % num_producers == producer_idx
+        ]
+        return StateDictSource(state, held=held)
+
+
 @pytest.mark.parametrize("threads", [True, False], ids=["pair_threads", "fleet_order"])
+@pytest.mark.parametrize("split", ["stages", "experts"])
 @distributed_test(timeout=120)
-def test_sync_many_small_experts_push_path(shapes: dict[str, Any], threads: bool) -> None:
-    """Two producers (expert owners split by stage), two TP-2 consumers, 48 experts a layer:
-    byte-exact over syncs, through the packing and unpacking programs and their gathers."""
-    config = TransferConfig(push_threads=threads, ring_slots=2)
+def test_sync_many_small_experts_push_path(
+    shapes: dict[str, Any], threads: bool, split: str
+) -> None:
+    """Two producers (pipeline stages, or the experts dealt out between them), two TP-2
+    consumers, 48 experts a layer: byte-exact over syncs, through the packing and unpacking
+    programs and their gathers, and, in fleet order, without a send/recv order cycle."""
+    config = TransferConfig(push_threads=threads, ring_slots=2, stall_timeout=20.0)
     results = _launch(
         4,
+        task=SplitExpertsTask if split == "experts" else LlamaTransferTask,
         num_producers=2,
         num_consumers=2,
         syncs=3,
         shapes=_with_experts(shapes, 48),
-        stages=True,
+        stages=split == "stages",
         config=config,
     )
     _assert_verified(results, 3)

@@ -37,16 +37,16 @@ consumer no staging slot used twice. Anything else — a swapped storage, a cons
 (a consumer reads a replay message as the last sync's announcements, one by one).
 
 Sync, push path: producers walk their chunks group by group, consumers taking turns within a
-group (chunk i of each before chunk i + 1 of any), so a full ring for one consumer leaves the
-others fed. Every (producer, consumer) pair has its own thread on both ends and sends in its
-own chunk order, so a blocking send holds up only its pair. A per-consumer sender thread packs
+group (the pair's chunk i of each before chunk i + 1 of any), so a full ring for one consumer
+leaves the others fed. Every (producer, consumer) pair has its own thread on both ends and
+sends in its own chunk order, so a blocking send holds up only its pair. A per-consumer sender thread packs
 chunk ``seq`` into slot ``seq % K`` of that consumer's ring and sends it; the producer's own
 thread only waits for that slot's previous send before queueing the next chunk, which bounds
 how far ahead it opens groups. On the consumer a per-producer receiver thread takes every chunk
 of the sync in order and unpacks each straight after its recv (one staging slot per producer).
 The per-group free barrier releases a group's source tensors once every chunk of it has been
 delivered. On CUDA (``TransferConfig.push_threads``) every rank instead issues its sends or
-receives from its own thread in that fleet-wide order, each pack and unpack on the stream
+receives from its own thread in one fleet-wide order, (group, consumer, the consumer's plan), each pack and unpack on the stream
 behind the transfer it feeds: NCCL communicators are not thread-safe, a send or recv holds its
 stream until the peer's match, and one order on every rank is what keeps that deadlock-free
 (the first unfinished transfer of the order is at the head of both its ranks' queues).
@@ -280,6 +280,7 @@ class _Pair:
     # READ path, steady state (``_Replay``): what the last complete sync did for this pair
     replay: _Replay | None = None
     staging: torch.Tensor | None = None  # push path: the pair's programs' gathers stage here
+    failed: threading.Event = field(default_factory=threading.Event)  # push: this sync's
 
     def stage(self, nbytes: int) -> torch.Tensor:
         """The pair's staging buffer for ``CopyProgram`` gathers: one slot's size, so one
@@ -702,10 +703,20 @@ class WeightProducer(_Engine):
             )
 
     def _build_schedule(self) -> None:
-        # consumers take turns within a group (chunk i of every consumer before chunk i + 1 of
-        # any), so a ring that is full for one consumer leaves the others fed
-        sched = [(c.group, c.index, cid) for cid, pair in self._pairs.items() for c in pair.chunks]
-        self._schedule = [(g, cid, i) for g, i, cid in sorted(sched)]
+        if self._threads:
+            # a thread per pair: consumers take turns within a group (the pair's chunk i of
+            # every consumer before chunk i + 1 of any), so a ring full for one leaves the
+            # others fed
+            turns = [
+                (c.group, c.seq, cid, c.index) for cid, p in self._pairs.items() for c in p.chunks
+            ]
+            self._schedule = [(g, cid, i) for g, _, cid, i in sorted(turns)]
+        else:
+            # one thread, transfers that block: (group, consumer, chunk) is the one order every
+            # rank keeps (a consumer's plan runs group by group; within a group and consumer
+            # this producer's chunks come in the consumer's plan order)
+            sched = [(c.group, cid, c.index) for cid, p in self._pairs.items() for c in p.chunks]
+            self._schedule = sorted(sched)
         for pair in self._pairs.values():
             pair.sync_bytes = sum(c.nbytes for c in pair.chunks)
         self._group_counts: dict[int, int] = {}
@@ -760,6 +771,7 @@ class WeightProducer(_Engine):
         per_group = self.config.announce_bytes == 0
         for pair in self._pairs.values():
             pair.slot_seq.clear()  # the last sync drained every slot
+            pair.failed = threading.Event()  # push: a failed chunk stops the pair's later ones
             pair.packs = 0
             pair.announced = 0
             if pair.replay is not None:
@@ -912,7 +924,7 @@ class WeightProducer(_Engine):
             barrier.arrive(chunk.group)
             return
         if direct is not None:
-            handle = pair.worker.submit(_sender(self.communicator, direct, pair.peer_rank))
+            handle = pair.worker.submit(self._sender(cid, pair, chunk, direct))
         else:
             what = f"producer {self.producer_id} -> consumer {cid}"
             timeout = self.config.stall_timeout
@@ -921,7 +933,7 @@ class WeightProducer(_Engine):
             # packed by the sender thread right before its send: no hand-over between threads
             # per chunk (on a busy host each costs a wake-up), and the slot's last send is over
             pack = self._packer(slot, pair, chunk, tensors)
-            handle = pair.worker.submit(_sender(self.communicator, slot, pair.peer_rank, pack))
+            handle = pair.worker.submit(self._sender(cid, pair, chunk, slot, pack))
             pair.ring.in_flight(chunk.seq, handle)
         handle.add_done_callback(_arrival(barrier, chunk.group))
 
@@ -1102,6 +1114,33 @@ class WeightProducer(_Engine):
         if pair.replay is not None:
             pair.replay.dsts.extend(dsts)
             pair.replay.srcs.extend(srcs)
+
+    def _sender(
+        self,
+        cid: int,
+        pair: _Pair,
+        chunk: Chunk,
+        tensor: torch.Tensor,
+        pack: Callable[[], None] | None = None,
+    ) -> Callable[[], None]:
+        """The sender thread's job for one chunk: ``pack`` (which fills ``tensor``) if given,
+        then the send, bounded by the stall timeout. After a failed chunk the pair's later
+        ones of the sync are not sent (the consumer would take them for the missing one)."""
+        comm, peer, failed, config = self.communicator, pair.peer_rank, pair.failed, self.config
+        what = f"producer {self.producer_id} -> consumer {cid} (chunk {chunk.seq})"
+
+        def send() -> None:
+            if failed.is_set():
+                raise RuntimeError(f"{what}: not sent, an earlier chunk to this consumer failed")
+            try:
+                if pack is not None:
+                    pack()
+                _transfer(comm, "send", tensor, peer, config, what)
+            except BaseException:
+                failed.set()
+                raise
+
+        return send
 
     def _packer(
         self,
@@ -1341,22 +1380,6 @@ def _transfer(
         wait_or_stall(post(tensor, peer), config.stall_timeout, what)
 
 
-def _sender(
-    comm: DeviceCommunicator,
-    tensor: torch.Tensor,
-    dst: int,
-    pack: Callable[[], None] | None = None,
-) -> Callable[[], None]:
-    """Send ``tensor`` to ``dst``, after running ``pack`` (which fills it) if given."""
-
-    def send() -> None:
-        if pack is not None:
-            pack()
-        comm.send(tensor, dst)
-
-    return send
-
-
 class WeightConsumer(_Engine):
     """Receives this consumer's shard of every weight into its own parameters.
 
@@ -1392,6 +1415,7 @@ class WeightConsumer(_Engine):
         self._dests: list[torch.Tensor] = []
         self._unpack_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._unpack_programs: dict[int, CopyProgram] = {}  # push path, by chunk index
+        self._broken = ""  # push path: why a sync failed mid-transfer (no sync after it)
         self.bake_seconds = 0.0
         want = self.config.strided_reads
         capable = self._read and isinstance(communicator, StridedReadCommunicator)
@@ -1679,7 +1703,18 @@ class WeightConsumer(_Engine):
         if self._read:
             self._receive_read()
         else:
-            self._receive_push()
+            if self._broken:
+                raise RuntimeError(
+                    f"consumer {self.consumer_id}: an earlier sync failed mid-transfer "
+                    f"({self._broken}); receives it posted may still be pending, so this "
+                    "consumer cannot tell its producers' messages apart any more: restart it "
+                    "(a new WeightConsumer calling join(), with admit() on the producers)"
+                )
+            try:
+                self._receive_push()
+            except BaseException as exc:
+                self._broken = f"{type(exc).__name__}: {exc}"
+                raise
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=sum(c.nbytes for c in self.chunks),
@@ -1745,6 +1780,8 @@ class WeightConsumer(_Engine):
             if handle is not None:
                 what = f"consumer {self.consumer_id} <- producer {self.chunks[j].producer}"
                 wait_or_stall(handle, timeout, f"{what} (chunk {self.chunks[j].seq})")
+            if failed.is_set():  # the bytes may be another chunk's: never unpack them
+                raise RuntimeError("an earlier chunk of this sync failed")
             if self._direct[j] is None:
                 self._unpacker(j)()
                 staged -= 1
