@@ -281,6 +281,7 @@ class _Pair:
     replay: _Replay | None = None
     staging: torch.Tensor | None = None  # push path: the pair's programs' gathers stage here
     failed: threading.Event = field(default_factory=threading.Event)  # push: this sync's
+    error: Exception | None = None  # push: why this pair failed this sync
 
     def stage(self, nbytes: int) -> torch.Tensor:
         """The pair's staging buffer for ``CopyProgram`` gathers: one slot's size, so one
@@ -772,6 +773,7 @@ class WeightProducer(_Engine):
         for pair in self._pairs.values():
             pair.slot_seq.clear()  # the last sync drained every slot
             pair.failed = threading.Event()  # push: a failed chunk stops the pair's later ones
+            pair.error = None
             pair.packs = 0
             pair.announced = 0
             if pair.replay is not None:
@@ -798,6 +800,7 @@ class WeightProducer(_Engine):
         self._drain(barrier)
         barrier.wait_all(self.config.stall_timeout)
         self._release(barrier, opened)
+        self._raise_pair_errors()
         self._mark("end")
         self._seen_sources = (self._seen_sources[1], set())
         for pair in self._pairs.values():
@@ -904,6 +907,28 @@ class WeightProducer(_Engine):
             seen = seq
 
     def _serve_push(
+        self,
+        cid: int,
+        pair: _Pair,
+        chunk: Chunk,
+        tensors: Mapping[str, torch.Tensor],
+        barrier: FreeBarrier,
+    ) -> None:
+        """Send one chunk. A consumer that failed (dead, stalled) is skipped for the rest of
+        the sync and its error raised at the end (``_raise_pair_errors``): the others are
+        served in full first."""
+        assert pair.ring is not None
+        if pair.error is not None:
+            barrier.arrive(chunk.group)
+            return
+        try:
+            self._push_chunk(cid, pair, chunk, tensors, barrier)
+        except Exception as exc:  # noqa: BLE001 - raised once the others are served
+            pair.error = pair.error or exc
+            pair.failed.set()
+            barrier.arrive(chunk.group)
+
+    def _push_chunk(
         self,
         cid: int,
         pair: _Pair,
@@ -1081,9 +1106,29 @@ class WeightProducer(_Engine):
                 while pair.pending:
                     self._take_done(cid, pair, barrier, block=True)
             elif pair.ring is not None:
-                pair.ring.drain(timeout, f"producer {self.producer_id} -> consumer {cid}")
+                try:
+                    pair.ring.drain(timeout, f"producer {self.producer_id} -> consumer {cid}")
+                except Exception as exc:  # noqa: BLE001 - raised once the others are drained
+                    pair.error = pair.error or exc
         if not self._read:  # sends of a stream-ordered communicator (NCCL) are only queued
             wait_device(self.communicator.device, timeout, f"producer {self.producer_id}")
+
+    def _raise_pair_errors(self) -> None:
+        """Push path: raise the first consumer's failure of this sync, once every other
+        consumer was served."""
+        failed = {cid: p.error for cid, p in self._pairs.items() if p.error is not None}
+        if failed:
+            cid, error = next(iter(failed.items()))
+            served = sorted(set(self._pairs) - set(failed))
+            msg = (
+                f"producer {self.producer_id}: consumer(s) {sorted(failed)} failed in sync "
+                f"{self._syncs} (consumer {cid}: {error}); consumers {served} were served"
+            )
+            try:
+                again = type(error)(msg)  # the same kind (a stall stays a TransferStallError)
+            except Exception:  # noqa: BLE001 - an exception type with other arguments
+                again = RuntimeError(msg)
+            raise again from error
 
     def _release(self, barrier: FreeBarrier, opened: dict[int, Mapping[str, torch.Tensor]]) -> None:
         for g in barrier.pop_free():
@@ -1136,7 +1181,9 @@ class WeightProducer(_Engine):
                 if pack is not None:
                     pack()
                 _transfer(comm, "send", tensor, peer, config, what)
-            except BaseException:
+            except Exception as exc:
+                if not failed.is_set():
+                    pair.error = pair.error or exc  # the cause, not a later skipped chunk
                 failed.set()
                 raise
 
