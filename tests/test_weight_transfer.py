@@ -698,6 +698,56 @@ def test_consumer_death_ends_the_producers_sync(shapes: dict[str, Any], threads:
     assert time.monotonic() - start < 60
 
 
+class DyingProducer(LlamaTransferTask):
+    """The producer dies before its second sync."""
+
+    def before_producer_sync(self, step: int, source: Any, **kw: Any) -> None:
+        if step == 1:
+            import os
+
+            os._exit(9)
+        super().before_producer_sync(step, source, **kw)
+
+
+class RetryingConsumer(WeightConsumer):
+    """Syncs again straight after a failed sync, and reports how that second try went."""
+
+    def sync(self) -> Any:
+        try:
+            return super().sync()
+        except Exception as first:
+            try:
+                super().sync()
+            except RuntimeError as again:
+                raise RuntimeError(f"RETRY REFUSED: {again}") from first
+            raise RuntimeError(
+                "RETRY RAN: a consumer synced on after a failed push sync"
+            ) from first
+
+
+class RetryingTask(LlamaTransferTask):
+    consumer_class = RetryingConsumer
+
+
+@distributed_test(timeout=120)
+def test_consumer_refuses_to_sync_after_a_failed_push_sync(shapes: dict[str, Any]) -> None:
+    """Receives a failed sync posted ahead may still be pending (gloo cannot cancel them), so
+    they could take the next sync's bytes: the consumer refuses to go on and says to restart."""
+    producers, consumers = _launch_halves(
+        _free_port(),
+        DyingProducer,
+        RetryingTask,
+        90,
+        syncs=3,
+        shapes=shapes,
+        config=TransferConfig(stall_timeout=5.0),
+        coordinator_options={"timeout": 20.0},
+    )
+    assert isinstance(producers, LaunchError) and "exited with code 9" in str(producers)
+    assert isinstance(consumers, LaunchError), consumers
+    assert "RETRY REFUSED" in str(consumers) and "restart it" in str(consumers), consumers
+
+
 # -- one-sided READ path (NIXL_RDT) ---------------------------------------------------------------
 def _needs_nixl() -> None:
     pytest.importorskip("nixl", reason="needs the nixl package (pip install 'vllm_dist[nixl]')")
