@@ -399,6 +399,69 @@ def test_free_barrier() -> None:
         b.arrive(0)
 
 
+def _experts_module(layers: int, experts: int) -> torch.nn.Module:
+    root = torch.nn.Module()
+    for i in range(layers):
+        layer = torch.nn.Module()
+        for e in range(experts):
+            expert = torch.nn.Linear(4, 4, bias=False)
+            layer.add_module(str(e), expert)
+        layer.register_buffer("scale", torch.ones(2))
+        root.add_module(f"l{i}", layer)
+    return root
+
+
+def test_module_source_walks_the_tree_and_sees_every_swap() -> None:
+    """A plain module's tensors are re-read along the module tree, not through state_dict();
+    what it hands out must still be what state_dict() would, after any kind of swap."""
+    model = _experts_module(3, 5)
+    source = StateDictSource(model)
+    names = list(model.state_dict())
+
+    def check() -> None:
+        source.begin_sync()
+        now = model.state_dict(keep_vars=True)
+        assert all(a is now[n] for a, n in zip(source.current(names), names, strict=True))
+        opened = source.open_group(names)
+        assert all(opened[n].data_ptr() == now[n].data_ptr() for n in names)
+
+    check()
+    check()
+    assert source._paths_ok  # the walk is in use
+    model.l1.get_submodule("3").weight = torch.nn.Parameter(torch.ones(4, 4))  # a new parameter
+    check()
+    model.l2.get_submodule("0").weight.data = torch.full((4, 4), 2.0)  # new storage, same object
+    check()
+    model.l0._modules["4"] = torch.nn.Linear(4, 4, bias=False)  # a new submodule
+    check()
+    model.l2.scale = torch.zeros(2)  # a new buffer
+    check()
+    del model.l0._modules["4"]  # a path that no longer resolves: state_dict() decides
+    source.begin_sync()
+    with pytest.raises(KeyError):
+        source.current(names)
+
+
+def test_module_source_with_state_dict_hooks_keeps_state_dict() -> None:
+    """A module whose state_dict() is shaped by a hook (as FSDP-like wrappers do) is never
+    walked: the source hands out what state_dict() gives."""
+    model = _experts_module(2, 3)
+    doubled: dict[str, torch.Tensor] = {}
+
+    def hook(module: Any, state: dict[str, Any], prefix: str, local: Any) -> None:
+        for k in list(state):
+            doubled[k] = state[k] = state[k] * 2  # a different tensor than the parameter
+
+    model._register_state_dict_hook(hook)
+    source = StateDictSource(model)
+    names = list(model.state_dict())
+    for _ in range(2):
+        source.begin_sync()
+        got = source.current(names)
+        assert all(torch.equal(g, doubled[n]) for g, n in zip(got, names, strict=True))
+    assert not source._paths_ok
+
+
 def test_check_ray_rdt_version() -> None:
     assert RDT_MIN_RAY_VERSION == "2.56.0"
     assert check_ray_rdt_version("2.60.0") == "2.60.0"

@@ -91,6 +91,9 @@ class WeightSource(ABC):
             self.release_group(group)
 
 
+_Paths = tuple[list[tuple[int, str]], list[tuple[str, int, str]]]
+
+
 class StateDictSource(WeightSource):
     """A source over a ``torch.nn.Module`` (its state dict, re-read every sync) or a mapping.
 
@@ -121,6 +124,10 @@ class StateDictSource(WeightSource):
         self._tensors: Mapping[str, torch.Tensor] = {}
         self._detached: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._meta = list(metadata) if metadata is not None else None
+        # a module's (parent index, child name) edges and (name, module index, attribute)
+        # leaves: re-reading the tensors through them each sync skips ``state_dict()``
+        self._paths: _Paths | None = None
+        self._paths_ok = isinstance(state, torch.nn.Module)
         if self._held is not None:
             missing = sorted(self._held - set(self._read()))
             if missing:
@@ -130,6 +137,65 @@ class StateDictSource(WeightSource):
         if isinstance(self._state, torch.nn.Module):
             return self._state.state_dict(keep_vars=True)
         return self._state
+
+    def _refresh(self) -> Mapping[str, torch.Tensor]:
+        """The tensors as the state holds them now. For a module whose state dict was seen to
+        be plain (every entry the parameter or buffer at its path: no hooks or wrappers in
+        between), they are read along the module tree instead of through ``state_dict()``
+        (about 160 ms of Python for 100,000 parameters; the walk costs a fraction of that). A
+        path that no longer resolves falls back to ``state_dict()``."""
+        if self._paths_ok and self._paths is not None:
+            fast = self._walk(self._paths)
+            if fast is not None:
+                return fast
+        full = self._read()
+        if self._paths_ok and self._paths is None:
+            self._paths = self._plan_paths(full)
+            self._paths_ok = self._paths is not None
+        return full
+
+    def _plan_paths(self, full: Mapping[str, torch.Tensor]) -> _Paths | None:
+        """Edges and leaves for ``_walk``, or None when walking would not give ``full``."""
+        index: dict[str, int] = {"": 0}
+        edges: list[tuple[int, str]] = []
+        leaves: list[tuple[str, int, str]] = []
+        for name in full:
+            path, _, attr = name.rpartition(".")
+            if path not in index:
+                parent = ""
+                for part in path.split("."):
+                    here = f"{parent}.{part}" if parent else part
+                    if here not in index:
+                        index[here] = len(edges) + 1
+                        edges.append((index[parent], part))
+                    parent = here
+            leaves.append((name, index[path], attr))
+        plan = (edges, leaves)
+        walked = self._walk(plan)
+        if walked is None or len(walked) != len(full):
+            return None
+        if not all(walked[n] is t for n, t in full.items()):
+            return None
+        return plan
+
+    def _walk(self, plan: _Paths) -> dict[str, torch.Tensor] | None:
+        edges, leaves = plan
+        assert isinstance(self._state, torch.nn.Module)
+        modules: list[torch.nn.Module] = [self._state]
+        for parent, child in edges:
+            module = modules[parent]._modules.get(child)
+            if module is None:
+                return None
+            modules.append(module)
+        out: dict[str, torch.Tensor] = {}
+        for name, i, attr in leaves:
+            found: torch.Tensor | None = modules[i]._parameters.get(attr)
+            if found is None:
+                found = modules[i]._buffers.get(attr)
+                if found is None:
+                    return None
+            out[name] = found
+        return out
 
     def metadata(self) -> list[WeightMeta]:
         if self._meta is not None:
@@ -151,7 +217,7 @@ class StateDictSource(WeightSource):
         """The named tensors, detached; the same objects as last sync for unchanged parameters
         (so the engine's cached views of them stay valid)."""
         if not self._tensors:
-            self._tensors = self._read()
+            self._tensors = self._refresh()
         out = {}
         for n in names:
             raw = self._tensors[n]
@@ -172,7 +238,7 @@ class StateDictSource(WeightSource):
         if self._current is not None and self._current[0] is names:
             return self._current[1]
         if not self._tensors:
-            self._tensors = self._read()
+            self._tensors = self._refresh()
         tensors = list(map(self._tensors.__getitem__, names))
         if self._in_place:
             self._current = (names, tensors)
