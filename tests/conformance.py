@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.utils import nccl_env
 from vllm_dist import (
     CommOp,
     CoordinatorType,
@@ -245,7 +246,8 @@ class ConformanceTask(GlobalCoordinatorDistributedTask):
 @functools.cache
 def run_conformance(backend: str, world_size: int, device: str) -> tuple[dict[str, str], ...]:
     """One launch per (backend, world size, device); its per-rank reports, cached."""
-    results = MPLauncher(world_size, timeout=120).launch(
+    env = nccl_env(world_size) if device == "cuda" else {}
+    results = MPLauncher(world_size, timeout=120, env=env).launch(
         task_type=ConformanceTask,
         coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
         communicator_type=backend,

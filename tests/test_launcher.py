@@ -35,6 +35,8 @@ class EnvTask(DistributedTask):
             "LOCAL_WORLD_SIZE",
             "MASTER_ADDR",
             "MASTER_PORT",
+            "VD_TEST_MINE",
+            "VD_TEST_JSON",
         )
         return {
             "env": {k: os.environ.get(k) for k in keys},
@@ -113,6 +115,14 @@ def test_results_in_rank_order_with_torchrun_env(make_launcher, n: int) -> None:
         assert r["kwargs"] == {"alpha": 1, "beta": [2]}
         assert WorkerInfo.from_env(r["env"]) == r["info"]
     assert len({r["pid"] for r in results}) == n
+
+
+@distributed_test()
+def test_mp_env_names_each_workers_rank() -> None:
+    env = {"VD_TEST_MINE": "host-{rank}/{local_rank}", "VD_TEST_JSON": '{"a": {"b": 1}}'}
+    results = MPLauncher(3, timeout=60, env=env).launch(task_type=EnvTask)
+    assert [r["env"]["VD_TEST_MINE"] for r in results] == ["host-0/0", "host-1/1", "host-2/2"]
+    assert {r["env"]["VD_TEST_JSON"] for r in results} == {'{"a": {"b": 1}}'}
 
 
 @distributed_test(timeout=60)

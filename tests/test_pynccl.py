@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.utils import cuda_device_count, distributed_test
+from tests.utils import cuda_device_count, distributed_test, nccl_env
 from vllm_dist import (
     CommOp,
     CommunicatorType,
@@ -302,7 +302,7 @@ def test_constructor_without_cuda_is_backend_unavailable(device: str | None) -> 
 
 # -- GPU: tasks run in every worker ------------------------------------------------------------
 def _launch(n: int, task: type, **kwargs: Any) -> list[Any]:
-    return MPLauncher(n, timeout=LAUNCH_TIMEOUT).launch(
+    return MPLauncher(n, timeout=LAUNCH_TIMEOUT, env=nccl_env(n)).launch(
         task_type=task,
         coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
         communicator_type=CommunicatorType.PYNCCL,
@@ -579,36 +579,38 @@ def test_world_size_1_explicit_stream() -> None:
     assert _launch(1, StreamTask) == [True]
 
 
-@distributed_test(gpus=2, timeout=240)
+@distributed_test(gpus=2, timeout=240, share=True)
 def test_two_ranks_every_collective() -> None:
     facts = _launch(2, CollectivesTask)
     assert [f["rank"] for f in facts] == [0, 1]
-    assert facts[0]["device"] != facts[1]["device"]
+    if cuda_device_count() >= 2:
+        assert facts[0]["device"] != facts[1]["device"]
 
 
-@distributed_test(gpus=2, timeout=240)
+@distributed_test(gpus=2, timeout=240, share=True)
 def test_two_ranks_validation_including_wrong_device() -> None:
+    wrong_device_cases = 2 if cuda_device_count() >= 2 else 0  # a second GPU to be wrong about
     for messages in _launch(2, ValidationTask):
-        assert len(messages) >= 13
+        assert len(messages) >= 11 + wrong_device_cases
 
 
-@distributed_test(gpus=2, timeout=240)
+@distributed_test(gpus=2, timeout=240, share=True)
 def test_two_ranks_cuda_graph_replays_new_values() -> None:
     assert _launch(2, GraphTask) == [[1.0, 21.0, 41.0]] * 2
 
 
-@distributed_test(gpus=2, timeout=240)
+@distributed_test(gpus=2, timeout=240, share=True)
 def test_two_ranks_explicit_stream() -> None:
     assert _launch(2, StreamTask) == [True, True]
 
 
-@distributed_test(gpus=2, timeout=240)
+@distributed_test(gpus=2, timeout=240, share=True)
 def test_close_returns_when_a_peer_is_gone() -> None:
     seconds, gone = _launch(2, DeadPeerTask)
     assert gone is None and seconds < 30
 
 
-@distributed_test(gpus=4, timeout=300)
+@distributed_test(gpus=4, timeout=300, share=True)
 @pytest.mark.parametrize("groups", [[[0, 1], [2, 3]], [[0, 3], [2, 1]]])
 def test_two_groups_of_two_are_independent(groups: list[list[int]]) -> None:
     results = _launch(4, GroupTask, groups=groups)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.utils import cuda_device_count, distributed_test
+from tests.utils import cuda_device_count, distributed_test, nccl_env
 from vllm_dist import (
     CommunicatorType,
     CoordinatorType,
@@ -700,8 +700,9 @@ def _launch_halves_sized(
         join = JoinSpec(
             host="127.0.0.1", port=port, role=role, num_producers=1, num_consumers=consumers
         )
+        env = nccl_env(1 + consumers, tag=role) if kw.get("device") == "cuda" else None
         try:
-            out[role] = _launch(n, timeout=timeout, task=task, join=join, **kw)
+            out[role] = _launch(n, timeout=timeout, task=task, join=join, env=env, **kw)
         except Exception as exc:  # handed to the test
             out[role] = exc
 
@@ -1400,3 +1401,97 @@ def test_replay_without_prepared_reads(shapes: dict[str, Any]) -> None:
     )
     _assert_verified(results, 4)
     assert _replayed(results) == [[False, False, True, True]] * 3
+
+
+# -- the push path on NCCL -----------------------------------------------------------------------
+# PYNCCL and torch.distributed's NCCL backend: sends and receives in the fleet order, queued on
+# the stream. With fewer GPUs than ranks the ranks share them (``nccl_env``: NCCL's socket
+# transport on loopback), so these run on one GPU as well.
+_NCCL = ["pynccl", "torch_distributed"]
+
+
+def _launch_nccl(n: int, comm: str, **kw: Any) -> list[dict[str, Any]]:
+    return _launch(
+        n, timeout=240, comm=CommunicatorType(comm), device="cuda", env=nccl_env(n), **kw
+    )
+
+
+@pytest.mark.parametrize("comm", _NCCL)
+@distributed_test(gpus=6, timeout=300, share=True)
+def test_push_path_nccl_llama_tp2_two_replicas(shapes: dict[str, Any], comm: str) -> None:
+    results = _launch_nccl(
+        6,
+        comm,
+        num_producers=2,
+        num_consumers=4,
+        syncs=3,
+        shapes=shapes,
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+    )
+    _assert_verified(results, 3)
+    assert summarize(results)["path"] == "send_recv"
+
+
+@pytest.mark.parametrize("split", ["stages", "experts"])
+@distributed_test(gpus=4, timeout=300, share=True)
+def test_push_path_nccl_experts_and_deep_rings(shapes: dict[str, Any], split: str) -> None:
+    """The fleet order on NCCL, where an order cycle would hang the GPU: experts dealt out
+    between two producers (a consumer's chunks of one layer interleave producers), and
+    pipeline stages with rings deeper than the groups."""
+    config = TransferConfig(ring_slots=8, max_chunk_bytes=4096, align=512, stall_timeout=30.0)
+    results = _launch_nccl(
+        4,
+        "pynccl",
+        task=SplitExpertsTask if split == "experts" else LlamaTransferTask,
+        num_producers=2,
+        num_consumers=2,
+        syncs=3,
+        shapes=_with_experts(shapes, 16),
+        stages=split == "stages",
+        config=config,
+    )
+    _assert_verified(results, 3)
+    producers = [r for r in results if r["role"] == "producer"]
+    assert all(r["syncs"][0]["chunks"] > 8 for r in producers)
+
+
+@distributed_test(gpus=3, timeout=300, share=True)
+def test_push_path_nccl_storage_swap_and_restart(shapes: dict[str, Any]) -> None:
+    swapped = _launch_nccl(
+        3,
+        "pynccl",
+        task=SwappingStorageTask,
+        num_producers=1,
+        num_consumers=2,
+        syncs=4,
+        shapes=shapes,
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+    )
+    _assert_verified(swapped, 4)
+    rejoined = _launch_nccl(
+        3, "pynccl", task=RejoinTask, shapes=shapes, config=TransferConfig(workers_per_replica=2)
+    )
+    assert rejoined[0] == ""
+    assert rejoined[1] == [(0, True), (1, True), (2, True), (3, True)]
+    assert rejoined[2] == [(1, True), (2, True), (3, True)]
+
+
+@distributed_test(gpus=3, timeout=300, share=True)
+def test_push_path_nccl_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]) -> None:
+    start = time.monotonic()
+    producers, consumers = _launch_halves(
+        _free_port(),
+        LlamaTransferTask,
+        DyingConsumer,
+        150,
+        comm=CommunicatorType.PYNCCL,
+        device="cuda",
+        syncs=3,
+        shapes=shapes,
+        config=TransferConfig(stall_timeout=10.0),
+        coordinator_options={"timeout": 30.0},
+    )
+    assert isinstance(consumers, LaunchError) and 1 in consumers.ranks
+    assert isinstance(producers, LaunchError), producers
+    assert "consumer(s) [1] failed" in str(producers) or "stall" in str(producers), producers
+    assert time.monotonic() - start < 120

@@ -3,6 +3,11 @@
 ``distributed_test(gpus=N, timeout=S)`` skips without initialising CUDA when fewer than N GPUs are
 present, marks the test ``gpu`` when N > 0, and bounds it with a timeout. Workers always come
 from a vllm_dist launcher, which picks free ports; no test uses a fixed port.
+
+NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). ``nccl_env(n)`` lets n ranks share
+fewer GPUs all the same: each rank names its own host (``NCCL_HOSTID``), so NCCL takes the ranks
+for separate machines and moves their bytes through its socket transport on loopback. Slow, but
+the real NCCL: tests marked ``distributed_test(gpus=N, share=True)`` then run on one GPU.
 """
 
 from __future__ import annotations
@@ -30,20 +35,40 @@ def cuda_device_count() -> int:
         return 0
 
 
-def distributed_test(*, gpus: int = 0, timeout: float = 120) -> Callable[[F], F]:
-    """Mark a test that starts workers: bounded by ``timeout``; needs ``gpus`` CUDA devices."""
+def distributed_test(
+    *, gpus: int = 0, timeout: float = 120, share: bool = False
+) -> Callable[[F], F]:
+    """Mark a test that starts workers: bounded by ``timeout``; needs ``gpus`` CUDA devices, or
+    one when ``share`` (its launches pass ``env=nccl_env(n)``)."""
 
     def wrap(fn: F) -> F:
         fn = pytest.mark.timeout(timeout)(fn)
         if gpus > 0:
+            need = 1 if share else gpus
             fn = pytest.mark.gpu(fn)
             fn = pytest.mark.skipif(
-                cuda_device_count() < gpus,
-                reason=f"needs {gpus} CUDA device(s), found {cuda_device_count()}",
+                cuda_device_count() < need,
+                reason=f"needs {need} CUDA device(s), found {cuda_device_count()}",
             )(fn)
         return fn
 
     return wrap
+
+
+def nccl_env(ranks: int, tag: str = "") -> dict[str, str]:
+    """Launcher ``env`` that lets ``ranks`` NCCL ranks share this machine's GPUs; empty when each
+    rank has a GPU of its own. Launches that join one fleet pass different ``tag``s. Every
+    address stays on loopback."""
+    if ranks <= cuda_device_count():
+        return {}
+    return {
+        # one "host" per rank: no duplicate-GPU refusal
+        "NCCL_HOSTID": f"vllm-dist-test-{tag}" + "{rank}",
+        "NCCL_SOCKET_IFNAME": "lo",
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_MNNVL_ENABLE": "0",
+        "NCCL_NVLS_ENABLE": "0",
+    }
 
 
 def device_for(gpus: int) -> str:

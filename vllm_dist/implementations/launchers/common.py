@@ -44,6 +44,20 @@ def run_packed_task(packed: bytes, info: WorkerInfo) -> WorkerOutcome:
         return WorkerOutcome(ok=False, traceback=traceback.format_exc())
 
 
+def worker_env(env: dict[str, str], info: WorkerInfo) -> dict[str, str]:
+    """``env`` for one worker: ``{rank}`` and ``{local_rank}`` in a value become the worker's own.
+
+    Only those two names are replaced, so values holding other braces (JSON, ...) pass unchanged.
+    """
+    mine = {"{rank}": str(info.rank), "{local_rank}": str(info.local_rank)}
+    out = {}
+    for key, value in env.items():
+        for name, number in mine.items():
+            value = value.replace(name, number)
+        out[key] = value
+    return out
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -30,6 +30,7 @@ from vllm_dist.implementations.launchers.common import (
     find_free_port,
     pack_launch,
     run_packed_task,
+    worker_env,
 )
 from vllm_dist.interfaces import (
     DistributedTask,
@@ -52,7 +53,8 @@ class MPLauncher(Launcher):
         timeout: seconds one launch may take before every worker is stopped; None = no limit.
         master_addr: address of the rendezvous (loopback by default).
         master_port: rendezvous port; a free one is picked when None.
-        env: extra environment variables for every worker.
+        env: extra environment variables for every worker; ``{rank}`` and ``{local_rank}`` in a
+            value become that worker's own (``{"NCCL_HOSTID": "host-{rank}"}``).
         prefix_output: forward worker stdout / stderr with a ``[rank N]:`` prefix; when False the
             workers write straight to the parent's terminal.
         stop_grace: seconds between SIGTERM and SIGKILL when stopping workers.
@@ -357,7 +359,7 @@ def _worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     if out_conn is not None and err_conn is not None:
         _redirect(out_conn, err_conn)
-    os.environ.update(env)
+    os.environ.update(worker_env(dict(env), info))
     outcome = run_packed_task(packed, info)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
