@@ -604,7 +604,9 @@ def test_two_ranks_explicit_stream() -> None:
     assert _launch(2, StreamTask) == [True, True]
 
 
-@distributed_test(gpus=2, timeout=240, share=True)
+# Not on a shared GPU: there NCCL's socket transport runs the ranks' proxy threads, and once
+# (of two runs on one H200) the departing rank's own abort did not return within 150 s.
+@distributed_test(gpus=2, timeout=240)
 def test_close_returns_when_a_peer_is_gone() -> None:
     seconds, gone = _launch(2, DeadPeerTask)
     assert gone is None and seconds < 30

@@ -762,6 +762,41 @@ def test_consumer_death_ends_the_producers_sync(shapes: dict[str, Any], threads:
     assert time.monotonic() - start < 60
 
 
+class UnconfirmingConsumer(WeightConsumer):
+    """Dies in its second sync after its last chunk landed, before it confirms the sync."""
+
+    def _send_receipts(self) -> None:
+        if self._syncs == 2:
+            import os
+
+            os._exit(7)
+        super()._send_receipts()
+
+
+class UnconfirmingTask(LlamaTransferTask):
+    consumer_class = UnconfirmingConsumer
+
+
+@distributed_test(timeout=120)
+def test_producer_sync_fails_without_the_consumers_receipt(shapes: dict[str, Any]) -> None:
+    """Every byte of the sync reached the consumer, which then died: the trainer must not be
+    told the sync went well (NCCL, and socket buffers, take sends nobody receives)."""
+    producers, consumers = _launch_halves(
+        _free_port(),
+        LlamaTransferTask,
+        UnconfirmingTask,
+        90,
+        syncs=3,
+        shapes=shapes,
+        config=TransferConfig(stall_timeout=5.0),
+        coordinator_options={"timeout": 20.0},
+    )
+    assert isinstance(consumers, LaunchError) and "exited with code 7" in str(consumers)
+    assert isinstance(producers, LaunchError), producers
+    last = str(producers).strip().splitlines()[-1]
+    assert "failed in sync 2" in last and "receipt of sync 2" in last, last
+
+
 class DyingProducer(LlamaTransferTask):
     """The producer dies before its second sync."""
 

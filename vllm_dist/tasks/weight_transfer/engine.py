@@ -115,6 +115,7 @@ from vllm_dist.tasks.weight_transfer.ring import (
     FreeBarrier,
     SerialWorker,
     ServeRing,
+    TransferStallError,
     Waitable,
     wait_or_stall,
 )
@@ -282,6 +283,12 @@ class _Pair:
     staging: torch.Tensor | None = None  # push path: the pair's programs' gathers stage here
     failed: threading.Event = field(default_factory=threading.Event)  # push: this sync's
     error: Exception | None = None  # push: why this pair failed this sync
+    receipt: torch.Tensor | None = None  # push: the consumer's receipt of a sync lands here
+
+    def receipt_buffer(self, device: torch.device) -> torch.Tensor:
+        if self.receipt is None:
+            self.receipt = torch.zeros(1, dtype=torch.int64, device=device)
+        return self.receipt
 
     def stage(self, nbytes: int) -> torch.Tensor:
         """The pair's staging buffer for ``CopyProgram`` gathers: one slot's size, so one
@@ -479,6 +486,8 @@ class WeightProducer(_Engine):
         self._seen_groups: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
         # every served tensor as ``source.current`` gave it at the recorded sync (if it can)
         self._seen_current: tuple[list[torch.Tensor], list[int]] | None = None
+        # push path, CUDA: (event behind a queued transfer, its consumer) of this sync
+        self._queued: list[tuple[torch.cuda.Event, int]] = []
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -946,6 +955,7 @@ class WeightProducer(_Engine):
                 self._packer(direct, pair, chunk, tensors)()
             what = f"producer {self.producer_id} -> consumer {cid} (chunk {chunk.seq})"
             _transfer(self.communicator, "send", direct, pair.peer_rank, self.config, what)
+            self._queued_mark(cid)
             barrier.arrive(chunk.group)
             return
         if direct is not None:
@@ -1110,8 +1120,68 @@ class WeightProducer(_Engine):
                     pair.ring.drain(timeout, f"producer {self.producer_id} -> consumer {cid}")
                 except Exception as exc:  # noqa: BLE001 - raised once the others are drained
                     pair.error = pair.error or exc
-        if not self._read:  # sends of a stream-ordered communicator (NCCL) are only queued
-            wait_device(self.communicator.device, timeout, f"producer {self.producer_id}")
+        if not self._read:
+            self._take_receipts()
+
+    def _queued_mark(self, cid: int) -> None:
+        """On a stream-ordered communicator: an event behind the transfer just queued for
+        consumer ``cid``, so that a stall names whose transfer stopped the stream."""
+        device = self.communicator.device
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._queued.append((event, cid))
+
+    def _take_receipts(self) -> None:
+        """Push path: every consumer served says it has the sync in place (one number, sent
+        after its last chunk is unpacked), in consumer order. Without this a sync to a dead
+        consumer could end well: NCCL, and a socket's buffers, take small sends that the peer
+        never receives. Sends and receipts of a stream-ordered communicator (NCCL) are only
+        queued; on a stall, the events behind them name the consumer whose transfer stopped the
+        stream."""
+        device = self.communicator.device
+        waiting = []
+        for cid in sorted(self._pairs):
+            pair = self._pairs[cid]
+            if not pair.chunks or pair.error is not None:
+                continue
+            what = f"producer {self.producer_id} waiting for consumer {cid}'s receipt"
+            receipt = pair.receipt_buffer(device)
+            try:
+                _transfer(self.communicator, "recv", receipt, pair.peer_rank, self.config, what)
+            except Exception as exc:  # noqa: BLE001 - raised once the others are heard
+                pair.error = _reworded(exc, f"{what} of sync {self._syncs}: {exc}")
+                continue
+            self._queued_mark(cid)
+            waiting.append((cid, pair))
+        try:
+            wait_device(device, self.config.stall_timeout, f"producer {self.producer_id}")
+        except TransferStallError as exc:
+            # stream order: the first unfinished transfer is the one that holds up the rest
+            first = next((cid for event, cid in self._queued if not event.query()), None)
+            if first is None:
+                raise
+            late = {cid for event, cid in self._queued if not event.query()}
+            for cid in sorted(late):
+                why = (
+                    f"the transfers to consumer {cid} stopped"
+                    if cid == first
+                    else f"consumer {cid} is unconfirmed, queued behind consumer {first}"
+                )
+                self._pairs[cid].error = TransferStallError(
+                    f"{exc}; {why} (what is queued on the stream stays there: recreate the "
+                    "communicator to go on)"
+                )
+            waiting = [(cid, pair) for cid, pair in waiting if cid not in late]
+        finally:
+            self._queued.clear()
+        for cid, pair in waiting:
+            got = int(pair.receipt_buffer(device).item())
+            if got != self._syncs:
+                pair.error = RuntimeError(
+                    f"consumer {cid} confirmed its sync {got}, expected {self._syncs}: it fell "
+                    "out of step with this producer (restart it: join() and admit())"
+                )
 
     def _raise_pair_errors(self) -> None:
         """Push path: raise the first consumer's failure of this sync, once every other
@@ -1124,11 +1194,7 @@ class WeightProducer(_Engine):
                 f"producer {self.producer_id}: consumer(s) {sorted(failed)} failed in sync "
                 f"{self._syncs} (consumer {cid}: {error}); consumers {served} were served"
             )
-            try:
-                again = type(error)(msg)  # the same kind (a stall stays a TransferStallError)
-            except Exception:  # noqa: BLE001 - an exception type with other arguments
-                again = RuntimeError(msg)
-            raise again from error
+            raise _reworded(error, msg)
 
     def _release(self, barrier: FreeBarrier, opened: dict[int, Mapping[str, torch.Tensor]]) -> None:
         for g in barrier.pop_free():
@@ -1402,6 +1468,17 @@ class _Reposter:
         if self._strided:
             handles.append(self._comm.read_strided_async(self._peer, self._strided))
         return handles
+
+
+def _reworded(error: Exception, msg: str) -> Exception:
+    """``error`` said as ``msg``: the same kind (a stall stays a ``TransferStallError``) where
+    its type takes a message, caused by ``error``."""
+    try:
+        again = type(error)(msg)
+    except Exception:  # noqa: BLE001 - an exception type with other arguments
+        again = RuntimeError(msg)
+    again.__cause__ = error
+    return again
 
 
 def _arrival(barrier: FreeBarrier, g: int) -> Callable[[Any], None]:
@@ -1787,6 +1864,7 @@ class WeightConsumer(_Engine):
                 if self._direct[j] is None:  # behind the recv: a blocking one, or on its stream
                     self._unpacker(j)()
             self._packed = sum(d is None for d in self._direct)
+            self._send_receipts()
             wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
             return
         failed = threading.Event()
@@ -1805,7 +1883,20 @@ class WeightConsumer(_Engine):
             failed.set()  # what is still queued gives up instead of taking the next sync's bytes
             raise
         self._packed = sum(d is None for d in self._direct)
+        self._send_receipts()
         wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
+
+    def _send_receipts(self) -> None:
+        """Tell each producer of this sync's chunks that they are in place (the sync's number,
+        which ``join`` took from the producers), in producer order; on a stream, behind the
+        last unpack."""
+        device = self.communicator.device
+        for p in sorted({c.producer for c in self.chunks}):
+            pair = self._pairs[p]
+            receipt = pair.receipt_buffer(device)
+            receipt.fill_(self._syncs)
+            what = f"consumer {self.consumer_id} -> producer {p} (receipt of sync {self._syncs})"
+            _transfer(self.communicator, "send", receipt, pair.peer_rank, self.config, what)
 
     def _receive_from(
         self, pair: _Pair, chunks: list[int], done: list[Future[None]], failed: threading.Event
