@@ -10,6 +10,7 @@ GPU tests: ``python3 -m pytest -q tests/test_pynccl.py -m gpu`` on a machine wit
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.utils import cuda_device_count, distributed_test, nccl_env
 from vllm_dist import (
@@ -615,6 +617,9 @@ def test_close_returns_when_a_peer_is_gone() -> None:
 @distributed_test(gpus=4, timeout=300, share=True)
 @pytest.mark.parametrize("groups", [[[0, 1], [2, 3]], [[0, 3], [2, 1]]])
 def test_two_groups_of_two_are_independent(groups: list[list[int]]) -> None:
+    unsorted = any(g != sorted(g) for g in groups)
+    if unsorted and "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+        pytest.skip(f"torch {torch.__version__} cannot keep an unsorted group's order")
     results = _launch(4, GroupTask, groups=groups)
     for rank, result in enumerate(results):
         group = next(g for g in groups if rank in g)
