@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import human, print_table, write_outputs  # noqa: E402
 from vllm_dist import CommunicatorType, CoordinatorType, MPLauncher  # noqa: E402
+from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env  # noqa: E402
 from vllm_dist.serialization import register_by_value  # noqa: E402
 from vllm_dist.tasks.weight_transfer import (  # noqa: E402
     ConsumerSpec,
@@ -210,7 +211,10 @@ class BenchTask(WeightTransferTask):
         for _ in range(iters):
             self.coordinator.barrier()
             start = time.perf_counter()
-            if rank == 0:
+            if rank == 0 and dev.type == "cuda":  # NCCL: one thread, queued in stream order
+                for c, b in bufs.items():
+                    self.communicator.send(b, c)
+            elif rank == 0:
                 threads = [
                     threading.Thread(target=self.communicator.send, args=(b, c))
                     for c, b in bufs.items()
@@ -221,6 +225,8 @@ class BenchTask(WeightTransferTask):
                     t.join()
             elif rank >= num_producers:
                 self.communicator.recv(bufs[rank], 0)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - start)
         return times
 
@@ -261,6 +267,8 @@ def run_case(
     env = {"OMP_NUM_THREADS": str(args.threads)}
     if args.trace:
         env["VLLM_DIST_WT_TRACE"] = "1"
+    if args.share_gpu:
+        env.update(shared_gpu_nccl_env())
     comm = CommunicatorType(args.comm)
     results = MPLauncher(n, timeout=args.timeout, env=env).launch(
         task_type=BenchTask,
@@ -386,6 +394,11 @@ def main() -> None:
         "--comm", default="torch_distributed", help="communicator: torch_distributed, nixl_rdt, ..."
     )
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (every worker on cuda:<local>)")
+    ap.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="NCCL ranks share the GPUs (shared_gpu_nccl_env: NCCL's socket transport)",
+    )
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--out", default="bench_results/weight_transfer.json")
     args = ap.parse_args()

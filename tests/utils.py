@@ -56,20 +56,8 @@ def distributed_test(
 
 
 def nccl_env(ranks: int, tag: str = "") -> dict[str, str]:
-    """Launcher ``env`` that lets ``ranks`` NCCL ranks share this machine's GPUs; empty when each
-    rank has a GPU of its own. Launches that join one fleet pass different ``tag``s. Every
-    address stays on loopback."""
-    if ranks <= cuda_device_count():
-        return {}
-    return {
-        # one "host" per rank: no duplicate-GPU refusal
-        "NCCL_HOSTID": f"vllm-dist-test-{tag}" + "{rank}",
-        "NCCL_SOCKET_IFNAME": "lo",
-        "NCCL_IB_DISABLE": "1",
-        "NCCL_MNNVL_ENABLE": "0",
-        "NCCL_NVLS_ENABLE": "0",
-    }
+    """Launcher ``env`` that lets ``ranks`` NCCL ranks share this machine's GPUs
+    (``shared_gpu_nccl_env``); empty when each rank has a GPU of its own."""
+    from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env
 
-
-def device_for(gpus: int) -> str:
-    return "cuda" if gpus > 0 else "cpu"
+    return {} if ranks <= cuda_device_count() else shared_gpu_nccl_env(tag)

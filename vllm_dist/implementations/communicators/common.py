@@ -33,6 +33,23 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def shared_gpu_nccl_env(tag: str = "") -> dict[str, str]:
+    """``MPLauncher`` ``env`` under which NCCL ranks may share GPUs (development and tests).
+
+    NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"). Each rank
+    here names its own host (``NCCL_HOSTID``), so NCCL takes the ranks for separate machines
+    and moves their bytes through its socket transport on loopback: the real NCCL, at socket
+    speed. Launches that join one fleet pass different ``tag``s.
+    """
+    return {
+        "NCCL_HOSTID": f"vllm-dist-{tag}" + "{rank}",
+        "NCCL_SOCKET_IFNAME": "lo",
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_MNNVL_ENABLE": "0",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+
+
 def check_tensor(
     tensor: torch.Tensor, device: torch.device, what: str = "tensor", *, contiguous: bool = True
 ) -> None:
