@@ -27,6 +27,7 @@ Targets (issue 6): per-sync >= 50% of raw p2p; set-up for 100,000 names < 10 s; 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import threading
@@ -188,8 +189,11 @@ class BenchTask(WeightTransferTask):
         return all(tensor_digest(t) == tensor_digest(want[n]) for n, t in spec.params.items())
 
     def post_init_distributed(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        if kwargs.get("dump_after"):  # where is each rank after that long (a stuck run)
+            faulthandler.dump_traceback_later(kwargs["dump_after"], file=sys.stderr)
         result = super().post_init_distributed(**kwargs)
         result["raw"] = self._raw_p2p(result, kwargs["num_producers"], kwargs.get("syncs", 1))
+        faulthandler.cancel_dump_traceback_later()
         return result
 
     def _raw_p2p(self, result: dict[str, Any], num_producers: int, iters: int) -> list[float]:
@@ -288,6 +292,7 @@ def run_case(
         in_place=args.in_place,
         transposed_down=args.layout == "transposed",
         verify=not args.no_verify,
+        dump_after=args.dump_after,
     )
     consumers = [r for r in results if r["role"] == "consumer"]
     moved = sum(r["syncs"][0]["bytes"] for r in consumers)
@@ -322,6 +327,13 @@ def run_case(
         "verified": all(o is not False for r in consumers for o in r["outputs"]),
         "traces": _traces(results),
     }
+
+
+def _progress(row: dict[str, Any]) -> None:
+    print(
+        f"done: {row['case']}: {row['sync_s'] * 1e3:.2f} ms per sync, {row['ratio']:.2f}x raw",
+        flush=True,
+    )
 
 
 def _traces(results: list[dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
@@ -400,6 +412,9 @@ def main() -> None:
         help="NCCL ranks share the GPUs (shared_gpu_nccl_env: NCCL's socket transport)",
     )
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument(
+        "--dump-after", type=float, default=0.0, help="every rank prints its stacks after S s"
+    )
     ap.add_argument("--out", default="bench_results/weight_transfer.json")
     args = ap.parse_args()
     register_by_value(sys.modules[__name__])
@@ -408,8 +423,10 @@ def main() -> None:
         hidden = auto_hidden(mb * MB) if args.hidden == "auto" else int(args.hidden)
         shapes = llama_like_shapes(mb * MB, hidden)
         rows.append(run_case(f"llama {mb} MB h{hidden}", shapes, args, moe=False))
+        _progress(rows[-1])
     if args.many:
         rows.append(run_case(f"moe {args.many} tensors", moe_shapes(args.many), args, moe=True))
+        _progress(rows[-1])
     cols = [
         "case",
         "path",
