@@ -161,7 +161,7 @@ def test_copy_program_cuda_graph() -> None:
 def _row_gather_case(device: str, staging: int | None = None) -> None:
     """Many small pairs, as the packs and unpacks of 100,000 expert shards make them: each
     group of one element size and row length (a contiguous pair is one row) runs as one
-    ``RowGather`` (two kernels), whatever the layouts of its pairs; every byte lands where
+    ``RowGather`` (one or two kernels), whatever the layouts of its pairs; every byte lands where
     ``copy_`` would put it, over several runs with changing contents, into destinations on
     and off the row grid. ``staging``: a smaller staging cap, so groups split into several
     gathers that share one buffer."""
@@ -209,13 +209,33 @@ def _row_gather_case(device: str, staging: int | None = None) -> None:
         ("torch.int64", 8, 2),
         ("torch.int64", 25, 1),  # 200 bytes at steps of 208: off the grid
     ], kinds
+    # rows that follow one another in the slot are written (packs) or read (unpacks) in
+    # place, one kernel; rows the slot's padding keeps apart go through the staging buffer
+    staged = sorted(
+        {(str(g._window.dtype), g._window.shape[1]) for g in program._gathers if g.staging_bytes}
+    )
+    assert staged == [("torch.int32", 3), ("torch.int64", 25)], staged
+    assert all(g.kernels == 1 for g in unpack._gathers)
     if not split:
         assert len(program._gathers) == 4
     else:  # split: one buffer, as large as the largest part
         assert len(program._gathers) > 4
-        buffers = {g._staging.untyped_storage().data_ptr() for g in program._gathers}
+        buffers = {
+            g._staging.untyped_storage().data_ptr() for g in program._gathers if g.staging_bytes
+        }
         assert len(buffers) == 1
         assert all(g.staging_bytes <= common.GATHER_STAGING_BYTES for g in program._gathers)
+    # both sides one block each: a plain copy
+    whole = rand(900)
+    out = torch.zeros_like(whole)
+    block = CopyProgram(
+        [out[i * 100 : (i + 1) * 100] for i in range(9)],
+        [whole[i * 100 : (i + 1) * 100] for i in range(9)],
+    )
+    assert [g.kernels for g in block._gathers] == [1]
+    block.run()
+    assert torch.equal(out.cpu(), whole.cpu())
+    block.close()
     # split: 8 experts a part, the last 4 alone
     assert len(program._solo) == 7 + 4 * split and len(unpack._solo) == 4 * split
     assert len(unpack._gathers) == 1 + split

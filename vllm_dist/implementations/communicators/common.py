@@ -266,7 +266,7 @@ class CopyProgram:
         except Exception as exc:  # noqa: BLE001 - the copies still run, launched one by one
             self._want_graph = False
             self.graph_error = f"{type(exc).__name__}: {exc}"
-            launches = len(self._solo) + len(self._batches) + 2 * len(self._gathers)
+            launches = len(self._solo) + len(self._batches) + sum(g.kernels for g in self._gathers)
             warnings.warn(
                 f"recording {launches} copy launches into a CUDA "
                 f"graph failed ({self.graph_error}); they are launched one by one instead",
@@ -326,6 +326,9 @@ class RowGather:
     """Many small strided copies whose rows are contiguous (a row-parallel shard of each of
     100,000 expert weights) as two kernels instead of one per pair: an ``index_select`` of
     every source row into a staging buffer, then an ``index_copy_`` of those rows into place.
+    Where the destination rows follow one another in memory (a pack into a slot), the select
+    writes them in place; where the source rows do (an unpack from a slot), the copy reads
+    them in place: one kernel, no staging.
 
     Each side is seen through a flat tensor over the address range its rows span (it owns
     nothing: the pairs, kept here, own the memory), so rows of unrelated allocations become
@@ -339,18 +342,32 @@ class RowGather:
         pairs: list[tuple[torch.Tensor, torch.Tensor]],
         source: tuple[torch.Tensor, torch.Tensor],
         target: tuple[torch.Tensor, torch.Tensor],
+        *,
+        dst_rows: torch.Tensor | None = None,
+        src_rows: torch.Tensor | None = None,
     ) -> None:
         self._pairs = pairs
         self._window, self._rows = source
         self._target, self._index = target
+        self._dst_rows = dst_rows  # the destination rows as one block, when they are one
+        self._src_rows = src_rows  # the source rows as one block, when they are one
+        staged = dst_rows is None and src_rows is None
         self.staging_bytes = (
             self._rows.numel() * self._window.shape[1] * self._window.element_size()
+            if staged
+            else 0
         )
         self._staging: torch.Tensor | None = None
         self._staged: torch.Tensor | None = None
 
+    @property
+    def kernels(self) -> int:
+        return 2 if self.staging_bytes else 1
+
     def bind(self, buffer: torch.Tensor) -> None:
         """Stage rows in the first ``staging_bytes`` of ``buffer`` (a uint8 tensor)."""
+        if not self.staging_bytes:
+            return
         shape = (self._rows.numel(), self._window.shape[1])
         self._staging = buffer[: self.staging_bytes].view(self._window.dtype).view(shape)
         self._staged = self._staging if self._target.dim() == 2 else self._staging.view(-1)
@@ -369,19 +386,48 @@ class RowGather:
         if src is None or dst is None:
             return None
         flat, starts = src
+        src_rows = _block(flat, starts, row)
         window = flat.as_strided((flat.numel() - row + 1, row), (1, 1))
         flat, starts_dst = dst
+        dst_rows = _block(flat, starts_dst, row)
         if bool((starts_dst % row).any()):  # off the grid: one index per element
             target = (flat, (starts_dst.unsqueeze(1) + torch.arange(row)).reshape(-1))
+            if src_rows is not None:
+                src_rows = src_rows.view(-1)
         else:
             target = (flat.view(-1, row), starts_dst // row)
-        return cls(pairs, (window, starts.to(device)), (target[0], target[1].to(device)))
+        return cls(
+            pairs,
+            (window, starts.to(device)),
+            (target[0], target[1].to(device)),
+            dst_rows=dst_rows,
+            src_rows=src_rows,
+        )
 
     def run(self) -> None:
+        if self._dst_rows is not None:
+            if self._src_rows is not None:  # both sides one block: one plain copy
+                self._dst_rows.view(-1).copy_(self._src_rows.view(-1))
+            else:
+                torch.index_select(self._window, 0, self._rows, out=self._dst_rows)
+            return
+        if self._src_rows is not None:
+            self._target.index_copy_(0, self._index, self._src_rows)
+            return
         if self._staging is None or self._staged is None:
             raise RuntimeError("RowGather.run before bind: it has no staging buffer")
         torch.index_select(self._window, 0, self._rows, out=self._staging)
         self._target.index_copy_(0, self._index, self._staged)
+
+
+def _block(flat: torch.Tensor, starts: torch.Tensor, row: int) -> torch.Tensor | None:
+    """The rows starting at ``starts`` (elements of ``flat``) as one ``(n, row)`` view, when
+    each follows the one before it in memory; else None."""
+    n = starts.numel()
+    first = int(starts[0])
+    if not torch.equal(starts, first + torch.arange(n, dtype=starts.dtype) * row):
+        return None
+    return flat[first : first + n * row].view(n, row)
 
 
 def _row_addresses(tensors: list[torch.Tensor]) -> torch.Tensor:

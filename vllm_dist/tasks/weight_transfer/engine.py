@@ -109,6 +109,7 @@ from vllm_dist.tasks.weight_transfer.plan import (
     encode_requests,
     item_sizes,
     plan_digest,
+    request_kinds,
     slot_bytes,
 )
 from vllm_dist.tasks.weight_transfer.ring import (
@@ -1662,7 +1663,9 @@ class WeightConsumer(_Engine):
             ],
             dtype=np.int64,
         )
-        return cut_chunks(groups, classes, producers, item_sizes(self.requests), self.layout)
+        sizes = item_sizes(self.requests)
+        kinds = request_kinds(self.requests)
+        return cut_chunks(groups, classes, producers, sizes, self.layout, kinds=kinds)
 
     def _connect_read(self) -> None:
         """Learn the producers' rings (collective with ``_expose_rings``); pin local buffers.

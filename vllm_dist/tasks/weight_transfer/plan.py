@@ -115,10 +115,11 @@ def build_chunks(
     layout: LayoutConfig,
     producer: int | None = None,
 ) -> list[Chunk]:
-    """Cut ``requests`` into chunks in issue order (group, owner class, size split).
+    """Cut ``requests`` into chunks in issue order (group, owner class, size split), items of
+    one kind (``request_kinds``) side by side within a group and owner class.
 
     With ``producer`` given, only that producer's chunks are built (``index`` then counts that
-    producer's chunks only); a producer uses this on the requests a consumer sent it.
+    producer's chunks only).
     """
     names = [r.name for r in requests]
     return cut_chunks(
@@ -128,7 +129,17 @@ def build_chunks(
         item_sizes(requests),
         layout,
         producer,
+        kinds=request_kinds(requests),
     )
+
+
+def request_kinds(requests: Sequence[Request]) -> list[int]:
+    """Each request's kind (``KindTable``: loader chain, shapes, dtype), numbered in first-seen
+    order. A plan that lays like items side by side turns the packs and unpacks of, say,
+    100,000 expert shards into one block of rows each per kind (``RowGather``: one kernel, no
+    staging) instead of rows interleaved with other kinds' items."""
+    table = KindTable()
+    return [table.add(r) for r in requests]
 
 
 def cut_chunks(
@@ -138,13 +149,18 @@ def cut_chunks(
     sizes: Sequence[int] | np.ndarray,
     layout: LayoutConfig,
     producer: int | None = None,
+    *,
+    kinds: Sequence[int] | np.ndarray | None = None,
 ) -> list[Chunk]:
-    """``build_chunks`` on per-item arrays (group, owner class, producer, bytes)."""
+    """``build_chunks`` on per-item arrays (group, owner class, producer, bytes), items of one
+    kind side by side where ``kinds`` are given, else in the order given. A producer re-cuts
+    the items a consumer sent in the consumer's order (without ``kinds``)."""
     g, k, p = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (groups, classes, producers))
     items = np.arange(len(g))
     if producer is not None:
         items = items[p == producer]
-    order = items[np.lexsort((items, k[items], g[items]))].tolist()
+    kd = np.zeros_like(g) if kinds is None else np.asarray(kinds, dtype=np.int64).reshape(-1)
+    order = items[np.lexsort((items, kd[items], k[items], g[items]))].tolist()
     glist, klist, plist = g.tolist(), k.tolist(), p.tolist()
     nlist = np.asarray(sizes, dtype=np.int64).reshape(-1).tolist()
     chunks: list[Chunk] = []
