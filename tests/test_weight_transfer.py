@@ -442,6 +442,40 @@ def test_module_source_walks_the_tree_and_sees_every_swap() -> None:
         source.current(names)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_source_hands_back_the_same_group_only_while_nothing_moved(in_place: bool) -> None:
+    """``open_group`` returns the very mapping of last time (the engine then looks at no
+    name) only while every tensor is where it was; any swap gives a fresh mapping of the new
+    tensors. With ``in_place`` the trainer vouches instead, until ``changed()``."""
+    state = {f"w{i}": torch.full((4, 4), float(i)) for i in range(6)}
+    source = StateDictSource(state, in_place=in_place)
+    names = list(state)
+
+    def opened() -> Any:
+        source.begin_sync()
+        return source.open_group(names)
+
+    first = opened()
+    assert opened() is first
+    swaps = [
+        lambda: state.__setitem__("w1", torch.zeros(4, 4)),  # another tensor
+        lambda: state["w2"].set_(torch.zeros(4, 4)),  # the same object, new storage
+        lambda: state["w3"].set_(state["w3"].untyped_storage(), 0, (2, 8)),  # same storage
+    ]
+    for swap in swaps:
+        before = opened()
+        swap()
+        got = opened()
+        if in_place:  # the promise holds the old mapping until changed() is called
+            assert got is before
+            source.changed()
+            got = opened()
+        assert got is not before
+        assert all(got[n].data_ptr() == state[n].data_ptr() for n in names)
+        assert all(got[n].shape == state[n].shape for n in names)
+        assert opened() is got
+
+
 def test_module_source_with_state_dict_hooks_keeps_state_dict() -> None:
     """A module whose state_dict() is shaped by a hook (as FSDP-like wrappers do) is never
     walked: the source hands out what state_dict() gives."""

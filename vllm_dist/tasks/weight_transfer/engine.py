@@ -1301,8 +1301,13 @@ class WeightProducer(_Engine):
     def _sources(
         self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
     ) -> list[torch.Tensor]:
-        """The chunk's source views; rebuilt only when a source tensor object changed."""
+        """The chunk's source views; rebuilt only when a source tensor object changed. The
+        very mapping of last time from ``open_group`` is the source's word that nothing in it
+        moved: no look at any name."""
         plan = pair.views[chunk.index]
+        if tensors is plan.mapping and plan.srcs is not None and not plan.copies:
+            return plan.srcs
+        plan.mapping = tensors
         objs = [tensors[n] for n in plan.names]
         ptrs = [t.data_ptr() for t in objs]  # a ``p.data = ...`` swap keeps the object
         if (
@@ -1341,6 +1346,7 @@ class _PackPlan:
     copies: bool = False  # a prefix chain copies: ``srcs`` are fresh every sync
     # push path: (dsts, srcs, the program that copies one into the other), while both stay
     program: tuple[list[torch.Tensor], list[torch.Tensor], CopyProgram] | None = None
+    mapping: Mapping[str, torch.Tensor] | None = None  # the group ``srcs`` were taken from
 
 
 _MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
