@@ -27,6 +27,7 @@ from vllm_dist import (
     MPLauncher,
     register_communicator,
 )
+from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env
 from vllm_dist.implementations.communicators.nixl_rdt import NixlRdtCommunicator
 from vllm_dist.tasks.weight_transfer import (
     ALLOWED_OPS,
@@ -474,6 +475,11 @@ def test_source_hands_back_the_same_group_only_while_nothing_moved(in_place: boo
         assert all(got[n].data_ptr() == state[n].data_ptr() for n in names)
         assert all(got[n].shape == state[n].shape for n in names)
         assert opened() is got
+    if in_place:  # a changed() that changed nothing: the promise holds again after one look
+        source.changed()
+        kept = opened()
+        state["w4"].set_(torch.zeros(4, 4))
+        assert opened() is kept
 
 
 def test_module_source_with_state_dict_hooks_keeps_state_dict() -> None:
@@ -734,7 +740,8 @@ def _launch_halves_sized(
         join = JoinSpec(
             host="127.0.0.1", port=port, role=role, num_producers=1, num_consumers=consumers
         )
-        env = nccl_env(1 + consumers, tag=role) if kw.get("device") == "cuda" else None
+        # each launch puts its rank 0 on cuda:0: always shared, however many GPUs
+        env = shared_gpu_nccl_env(role) if kw.get("device") == "cuda" else None
         try:
             out[role] = _launch(n, timeout=timeout, task=task, join=join, env=env, **kw)
         except Exception as exc:  # handed to the test

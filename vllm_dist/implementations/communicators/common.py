@@ -42,7 +42,7 @@ def shared_gpu_nccl_env(tag: str = "") -> dict[str, str]:
     speed. Launches that join one fleet pass different ``tag``s.
     """
     return {
-        "NCCL_HOSTID": f"vllm-dist-{tag}" + "{rank}",
+        "NCCL_HOSTID": f"vllm-dist-{tag}-" + "{rank}",
         "NCCL_SOCKET_IFNAME": "lo",
         "NCCL_IB_DISABLE": "1",
         "NCCL_MNNVL_ENABLE": "0",

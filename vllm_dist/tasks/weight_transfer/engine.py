@@ -489,6 +489,8 @@ class WeightProducer(_Engine):
         self._seen_current: tuple[list[torch.Tensor], list[int]] | None = None
         # push path, CUDA: (event behind a queued transfer, its consumer) of this sync
         self._queued: list[tuple[torch.cuda.Event, int]] = []
+        # push path, not CUDA: consumer -> (receive of its receipt still posted, its buffer)
+        self._receipts_posted: dict[int, tuple[Any, torch.Tensor]] = {}
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -808,7 +810,9 @@ class WeightProducer(_Engine):
             moved += chunk.nbytes
         self._mark("drain")
         self._drain(barrier)
-        barrier.wait_all(self.config.stall_timeout)
+        barrier.wait_all(self.config.stall_timeout)  # every send done or failed
+        if not self._read:
+            self._take_receipts()
         self._release(barrier, opened)
         self._raise_pair_errors()
         self._mark("end")
@@ -1121,8 +1125,6 @@ class WeightProducer(_Engine):
                     pair.ring.drain(timeout, f"producer {self.producer_id} -> consumer {cid}")
                 except Exception as exc:  # noqa: BLE001 - raised once the others are drained
                     pair.error = pair.error or exc
-        if not self._read:
-            self._take_receipts()
 
     def _queued_mark(self, cid: int) -> None:
         """On a stream-ordered communicator: an event behind the transfer just queued for
@@ -1147,14 +1149,17 @@ class WeightProducer(_Engine):
             if not pair.chunks or pair.error is not None:
                 continue
             what = f"producer {self.producer_id} waiting for consumer {cid}'s receipt"
-            receipt = pair.receipt_buffer(device)
+            what = f"{what} of sync {self._syncs}"
             try:
-                _transfer(self.communicator, "recv", receipt, pair.peer_rank, self.config, what)
+                if device.type == "cuda":
+                    receipt = pair.receipt_buffer(device)
+                    _transfer(self.communicator, "recv", receipt, pair.peer_rank, self.config, what)
+                    self._queued_mark(cid)
+                    waiting.append((cid, pair))
+                else:
+                    self._await_receipt(cid, pair, what)
             except Exception as exc:  # noqa: BLE001 - raised once the others are heard
-                pair.error = _reworded(exc, f"{what} of sync {self._syncs}: {exc}")
-                continue
-            self._queued_mark(cid)
-            waiting.append((cid, pair))
+                pair.error = pair.error or _reworded(exc, f"{what}: {exc}")
         try:
             wait_device(device, self.config.stall_timeout, f"producer {self.producer_id}")
         except TransferStallError as exc:
@@ -1169,11 +1174,11 @@ class WeightProducer(_Engine):
                     if cid == first
                     else f"consumer {cid} is unconfirmed, queued behind consumer {first}"
                 )
-                self._pairs[cid].error = TransferStallError(
+                self._pairs[cid].error = self._pairs[cid].error or TransferStallError(
                     f"{exc}; {why} (what is queued on the stream stays there: recreate the "
                     "communicator to go on)"
                 )
-            waiting = [(cid, pair) for cid, pair in waiting if cid not in late]
+            waiting = []  # the stream is held: reading a receipt would wait on it for ever
         finally:
             self._queued.clear()
         for cid, pair in waiting:
@@ -1182,6 +1187,37 @@ class WeightProducer(_Engine):
                 pair.error = RuntimeError(
                     f"consumer {cid} confirmed its sync {got}, expected {self._syncs}: it fell "
                     "out of step with this producer (restart it: join() and admit())"
+                )
+
+    def _await_receipt(self, cid: int, pair: _Pair, what: str) -> None:
+        """Take consumer ``cid``'s receipt of this sync, bounded by the stall timeout. A receive
+        that timed out stays posted (gloo cannot take it back) and is waited on next time, so it
+        never swallows a later receipt; receipts of syncs this producer gave up on are skipped."""
+        comm, device = self.communicator, self.communicator.device
+        post = getattr(comm, "irecv", None)
+        while True:
+            posted = self._receipts_posted.pop(cid, None)
+            if posted is None:
+                buffer = torch.zeros(1, dtype=torch.int64, device=device)
+                if post is None:
+                    comm.recv(buffer, pair.peer_rank)
+                    posted = (None, buffer)
+                else:
+                    posted = (post(buffer, pair.peer_rank), buffer)
+            handle, buffer = posted
+            if handle is not None:
+                try:
+                    wait_or_stall(handle, self.config.stall_timeout, what)
+                except TransferStallError:
+                    self._receipts_posted[cid] = posted
+                    raise
+            got = int(buffer.item())
+            if got == self._syncs:
+                return
+            if got > self._syncs:
+                raise RuntimeError(
+                    f"consumer {cid} confirmed sync {got}, ahead of this producer's "
+                    f"{self._syncs}: restart it (join() and admit())"
                 )
 
     def _raise_pair_errors(self) -> None:
@@ -1307,7 +1343,7 @@ class WeightProducer(_Engine):
         plan = pair.views[chunk.index]
         if tensors is plan.mapping and plan.srcs is not None and not plan.copies:
             return plan.srcs
-        plan.mapping = tensors
+        plan.mapping = None  # until the views below are built
         objs = [tensors[n] for n in plan.names]
         ptrs = [t.data_ptr() for t in objs]  # a ``p.data = ...`` swap keeps the object
         if (
@@ -1327,6 +1363,7 @@ class WeightProducer(_Engine):
                 for s, t in zip(plan.srcs, objs, strict=True)
             )
         assert plan.srcs is not None
+        plan.mapping = tensors
         return plan.srcs
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -126,8 +126,9 @@ class StateDictSource(WeightSource):
         self._held = None if held is None else frozenset(held)
         self._tensors: Mapping[str, torch.Tensor] = {}
         self._detached: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        # id(names) -> (names, raw tensors, their addresses and shapes, what open_group gave)
-        self._opened: dict[int, _Opened] = {}
+        # (len, first name) of a group -> its names, raw tensors, their addresses and shapes,
+        # and what open_group handed out
+        self._opened: dict[tuple[int, str], _Opened] = {}
         self._generation = 0  # calls of changed()
         self._meta = list(metadata) if metadata is not None else None
         # a module's (parent index, child name) edges and (name, module index, attribute)
@@ -225,8 +226,9 @@ class StateDictSource(WeightSource):
         objects of last time, at the same addresses and shapes, gets last time's mapping back
         after a few C-speed passes over the group, with no work per name; with ``in_place``,
         until ``changed()``, at once."""
-        seen = self._opened.get(id(names))
-        if seen is not None and seen.names is not names:
+        key = (len(names), names[0] if names else "")  # one entry per group, however asked
+        seen = self._opened.get(key)
+        if seen is not None and seen.names is not names and seen.names != names:
             seen = None
         if self._in_place and seen is not None and seen.generation == self._generation:
             return seen.out  # the trainer's promise: nothing moved since changed()
@@ -241,6 +243,8 @@ class StateDictSource(WeightSource):
             and seen.shapes == shapes
             and all(map(operator.is_, raws, seen.raws))
         ):
+            if seen.generation != self._generation:  # checked after changed(): trust it again
+                self._opened[key] = replace(seen, generation=self._generation)
             return seen.out
         out = {}
         for n, raw in zip(names, raws, strict=True):
@@ -253,7 +257,7 @@ class StateDictSource(WeightSource):
             ):
                 hit = self._detached[n] = (raw, raw.detach())
             out[n] = hit[1]
-        self._opened[id(names)] = _Opened(names, raws, ptrs, shapes, out, self._generation)
+        self._opened[key] = _Opened(names, raws, ptrs, shapes, out, self._generation)
         return out
 
     def current(self, names: Sequence[str]) -> list[torch.Tensor] | None:
