@@ -232,6 +232,9 @@ class BenchTask(WeightTransferTask):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - start)
+        # A sender's stream can be done while its NCCL proxy still holds bytes on their way
+        # (socket transport); a sender that left now would strand them in the receivers' recv.
+        self.coordinator.barrier()
         return times
 
     def _raw_read(
