@@ -158,6 +158,38 @@ def test_copy_program_cuda_graph() -> None:
     _copy_program_case("cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
+def test_copy_program_graph_branches() -> None:
+    """More launches than the graph has branches (strided weight shards of several MiB, a
+    batch of small contiguous pairs): the branches fork after the work queued before ``run``
+    (each run copies the contents written just before it) and join before the work queued
+    after it (a sum taken right after ``run``, no synchronize, sees every byte)."""
+    from vllm_dist.implementations.communicators.common import GRAPH_BRANCHES, CopyProgram
+
+    gen = torch.Generator().manual_seed(11)
+    fulls = [
+        torch.randint(-100, 100, (512, 1024 + 256 * i), dtype=torch.int16, generator=gen).cuda()
+        for i in range(2 * GRAPH_BRANCHES + 3)
+    ]
+    srcs = [f[:, : f.shape[1] // 2] for f in fulls]  # row-parallel shards, 0.5-2.5 MiB
+    smalls = [torch.arange(64 * i, 64 * i + 50, dtype=torch.int16).cuda() for i in range(5)]
+    dsts = [torch.zeros(s.shape, dtype=s.dtype, device="cuda") for s in [*srcs, *smalls]]
+    program = CopyProgram(dsts, [*srcs, *smalls])
+    assert len(program._units()) > GRAPH_BRANCHES
+    for step in range(3):
+        for f in fulls:
+            f.add_(step + 1)  # queued on the current stream just before the copies
+        program.run()
+        got = torch.stack([d.sum(dtype=torch.int64) for d in dsts])  # queued right after
+        want = torch.stack([s.sum(dtype=torch.int64) for s in [*srcs, *smalls]])
+        assert torch.equal(got.cpu(), want.cpu()), step
+        for d, s in zip(dsts, [*srcs, *smalls], strict=True):
+            assert torch.equal(d.cpu(), s.cpu()), step
+    assert program.graphed and program.graph_error is None
+    program.close()
+
+
 def _row_gather_case(device: str, staging: int | None = None) -> None:
     """Many small pairs, as the packs and unpacks of 100,000 expert shards make them: each
     group of one element size and row length (a contiguous pair is one row) runs as one
