@@ -253,14 +253,15 @@ class CopyProgram:
                 self._launch()
 
     def _units(self) -> list[tuple[int, Callable[[], object]]]:
-        """(bytes, launch) of every unit of work; the gathers, which share one staging
-        buffer, are one unit."""
+        """(bytes, launch) of every unit of work; the gathers that stage, which share one
+        staging buffer, are one unit."""
         units: list[tuple[int, Callable[[], object]]] = [
             (d.numel() * d.element_size(), functools.partial(d.copy_, s, non_blocking=True))
             for d, s in self._solo
         ]
-        if self._gathers:
-            units.append((sum(g.nbytes for g in self._gathers), self._run_gathers))
+        units += [(g.nbytes, g.run) for g in self._gathers if not g.staging_bytes]
+        if any(g.staging_bytes for g in self._gathers):
+            units.append((sum(g.nbytes for g in self._gathers if g.staging_bytes), self._staged))
         units += [
             (
                 sum(d.numel() * d.element_size() for d in dsts),
@@ -270,9 +271,10 @@ class CopyProgram:
         ]
         return units
 
-    def _run_gathers(self) -> None:
+    def _staged(self) -> None:
         for gather in self._gathers:
-            gather.run()
+            if gather.staging_bytes:
+                gather.run()
 
     def _launch(self) -> None:
         for _, launch in self._units():
