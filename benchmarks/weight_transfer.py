@@ -334,7 +334,8 @@ def run_case(
 
 def _progress(row: dict[str, Any]) -> None:
     print(
-        f"done: {row['case']}: {row['sync_s'] * 1e3:.2f} ms per sync, {row['ratio']:.2f}x raw",
+        f"done: {row['case']}: {row['sync_s'] * 1e3:.2f} ms per sync, {row['ratio']:.2f}x raw, "
+        f"verified {row['verified']}",
         flush=True,
     )
 
