@@ -356,7 +356,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--sizes", default="100,400", help="model sizes in MB (e.g. 100,1000,4000)")
+    ap.add_argument(
+        "--sizes", default="100,400", help="model sizes in MB (e.g. 100,1000,4000; 0: none)"
+    )
     ap.add_argument(
         "--many", type=int, default=100_000, help="tensors of the many-tensors case (0: skip)"
     )
@@ -423,7 +425,7 @@ def main() -> None:
     args = ap.parse_args()
     register_by_value(sys.modules[__name__])
     rows = []
-    for mb in [int(s) for s in args.sizes.split(",") if s]:
+    for mb in [int(s) for s in args.sizes.split(",") if s and int(s) > 0]:  # 0: none
         hidden = auto_hidden(mb * MB) if args.hidden == "auto" else int(args.hidden)
         shapes = llama_like_shapes(mb * MB, hidden)
         rows.append(run_case(f"llama {mb} MB h{hidden}", shapes, args, moe=False))
