@@ -165,29 +165,56 @@ def test_copy_program_graph_branches() -> None:
     batch of small contiguous pairs): the branches fork after the work queued before ``run``
     (each run copies the contents written just before it) and join before the work queued
     after it (a sum taken right after ``run``, no synchronize, sees every byte)."""
-    from vllm_dist.implementations.communicators.common import GRAPH_BRANCHES, CopyProgram
+    from vllm_dist.implementations.communicators.common import (
+        GRAPH_BRANCHES,
+        CopyProgram,
+        balance,
+    )
 
     gen = torch.Generator().manual_seed(11)
     fulls = [
         torch.randint(-100, 100, (512, 1024 + 256 * i), dtype=torch.int16, generator=gen).cuda()
         for i in range(2 * GRAPH_BRANCHES + 3)
     ]
+    experts = torch.randint(-100, 100, (40, 32, 64), dtype=torch.int16, generator=gen).cuda()
     srcs = [f[:, : f.shape[1] // 2] for f in fulls]  # row-parallel shards, 0.5-2.5 MiB
-    smalls = [torch.arange(64 * i, 64 * i + 50, dtype=torch.int16).cuda() for i in range(5)]
-    dsts = [torch.zeros(s.shape, dtype=s.dtype, device="cuda") for s in [*srcs, *smalls]]
-    program = CopyProgram(dsts, [*srcs, *smalls])
-    assert len(program._units()) > GRAPH_BRANCHES
+    srcs += [torch.arange(64 * i, 64 * i + 50, dtype=torch.int16).cuda() for i in range(5)]
+    srcs += [e[:, 48:] for e in experts[:20]]  # a RowGather into a slot: no staging
+    srcs += [e[:, :32] for e in experts[20:]]  # into strided places: a staging RowGather
+    dsts = [torch.zeros(s.shape, dtype=s.dtype, device="cuda") for s in srcs[:-40]]
+    slot = torch.zeros(20, 32, 16, dtype=torch.int16, device="cuda")
+    dsts += list(slot)
+    scattered = torch.zeros(20, 32, 64, dtype=torch.int16, device="cuda")
+    dsts += [t[:, 16:48] for t in scattered]
+    program = CopyProgram(dsts, srcs)
+    assert sorted(bool(g.staging_bytes) for g in program._gathers) == [False, True]
+    where = balance([n for n, _ in program._units], GRAPH_BRANCHES)
+    assert len(where) > GRAPH_BRANCHES and set(where) == set(range(GRAPH_BRANCHES))
     for step in range(3):
-        for f in fulls:
-            f.add_(step + 1)  # queued on the current stream just before the copies
+        for t in [*fulls, experts]:
+            t.add_(step + 1)  # queued on the current stream just before the copies
         program.run()
         got = torch.stack([d.sum(dtype=torch.int64) for d in dsts])  # queued right after
-        want = torch.stack([s.sum(dtype=torch.int64) for s in [*srcs, *smalls]])
+        want = torch.stack([s.sum(dtype=torch.int64) for s in srcs])
         assert torch.equal(got.cpu(), want.cpu()), step
-        for d, s in zip(dsts, [*srcs, *smalls], strict=True):
+        for d, s in zip(dsts, srcs, strict=True):
             assert torch.equal(d.cpu(), s.cpu()), step
     assert program.graphed and program.graph_error is None
     program.close()
+
+
+def test_balance_spreads_units_over_branches() -> None:
+    """Largest first, each unit to the branch with the fewest bytes so far: branches end
+    together, each unit is on exactly one branch, and no more branches than units."""
+    from vllm_dist.implementations.communicators.common import balance
+
+    assert balance([], 8) == []
+    assert balance([7, 3], 8) == [0, 1]
+    assert balance([5, 1, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1, 1]
+    sizes = [(i * 7919) % 1000 + 1 for i in range(100)]
+    where = balance(sizes, 8)
+    loads = [sum(n for n, b in zip(sizes, where, strict=True) if b == k) for k in range(8)]
+    assert set(where) == set(range(8)) and max(loads) - min(loads) <= max(sizes)
 
 
 def _row_gather_case(device: str, staging: int | None = None) -> None:

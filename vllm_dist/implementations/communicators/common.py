@@ -6,6 +6,7 @@ import ctypes
 import functools
 import itertools
 import os
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -165,8 +166,8 @@ class CopyProgram:
     H200, and one after another such copies spend most of their time starting and draining
     (measured: 140 weight shards of 1–3 MiB, 457 µs on one stream, 190 µs on eight, 163 µs
     for one memcpy of the same bytes). The tensors must stay where they are while the
-    program is used, and no two destinations may overlap (the pairs do not run in the order
-    given). ``staging(nbytes)``
+    program is used, and no destination may overlap another pair's destination or source
+    (the pairs run side by side, in no given order). ``staging(nbytes)``
     hands out the gathers' staging buffer (uint8, at least ``nbytes``) so that programs run
     one after another can share one; by default the program allocates its own.
     """
@@ -221,6 +222,7 @@ class CopyProgram:
                 else:
                     self._solo.extend(part)
         self._batches = list(batches.values())
+        self._units = self._plan_units()
         need = max((g.staging_bytes for g in self._gathers), default=0)
         if need:  # the gathers run one after another: one staging buffer serves them all
             if staging is None:
@@ -252,7 +254,7 @@ class CopyProgram:
             else:
                 self._launch()
 
-    def _units(self) -> list[tuple[int, Callable[[], object]]]:
+    def _plan_units(self) -> list[tuple[int, Callable[[], object]]]:
         """(bytes, launch) of every unit of work; the gathers that stage, which share one
         staging buffer, are one unit."""
         units: list[tuple[int, Callable[[], object]]] = [
@@ -277,29 +279,36 @@ class CopyProgram:
                 gather.run()
 
     def _launch(self) -> None:
-        for _, launch in self._units():
+        for _, launch in self._units:
             launch()
 
     def _launch_branched(self, main: torch.cuda.Stream) -> None:
-        """The units, largest first, each on the branch with the fewest bytes so far; every
-        branch forks from ``main`` and joins it again (inside a graph capture)."""
-        units = sorted(self._units(), key=lambda u: -u[0])
-        count = min(GRAPH_BRANCHES, len(units))
-        branches = [torch.cuda.Stream(self._device) for _ in range(count)]
-        load = [0] * len(branches)
+        """Every unit on its branch (``balance``); each branch forks from ``main`` and joins
+        it again, also when a launch fails (inside a graph capture, an unjoined fork would
+        replace the launch's error with its own)."""
+        if self._device is None:  # nothing to copy
+            return
+        where = balance([n for n, _ in self._units], GRAPH_BRANCHES)
+        branches = _streams(self._device)[1 : 2 + max(where, default=-1)]
         for branch in branches:
             branch.wait_stream(main)
-        for nbytes, launch in units:
-            b = load.index(min(load))
-            load[b] += nbytes
-            with torch.cuda.stream(branches[b]):
-                launch()
-        for branch in branches:
-            main.wait_stream(branch)
+        try:
+            for b, (_, launch) in zip(where, self._units, strict=True):
+                with torch.cuda.stream(branches[b]):
+                    launch()
+        finally:
+            for branch in branches:
+                main.wait_stream(branch)
 
     def _record(self) -> None:
+        with _RECORDING:
+            self._record_locked()
+
+    def _record_locked(self) -> None:
+        if self._device is None:
+            return
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(self._device)
+        stream = _streams(self._device)[0]
         current = torch.cuda.current_stream(self._device)
         stream.wait_stream(current)
         try:
@@ -317,7 +326,7 @@ class CopyProgram:
                 f"recording {launches} copy launches into a CUDA "
                 f"graph failed ({self.graph_error}); they are launched one by one instead",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             return
         finally:
@@ -326,7 +335,34 @@ class CopyProgram:
 
     def close(self) -> None:
         self._graph = None
-        self._solo, self._batches, self._gathers = [], [], []
+        self._solo, self._batches, self._gathers, self._units = [], [], [], []
+
+
+def balance(sizes: list[int], branches: int) -> list[int]:
+    """The branch (``0 <= b < branches``) of each of ``sizes``: largest first, each on the
+    branch with the fewest bytes so far (ties: the lowest branch), so branches end together."""
+    load = [0] * max(1, min(branches, len(sizes)))
+    where = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        b = load.index(min(load))
+        load[b] += sizes[i]
+        where[i] = b
+    return where
+
+
+_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
+_RECORDING = threading.Lock()  # one capture at a time on the shared streams
+
+
+def _streams(device: torch.device) -> list[torch.cuda.Stream]:
+    """The capture stream and the ``GRAPH_BRANCHES`` branch streams of ``device`` that every
+    CopyProgram's graph capture reuses (torch hands streams out of a pool that the whole
+    process shares; taking them once keeps captures from walking through it)."""
+    streams = _STREAMS.get(device)
+    if streams is None:
+        count = 1 + GRAPH_BRANCHES
+        streams = _STREAMS[device] = [torch.cuda.Stream(device) for _ in range(count)]
+    return streams
 
 
 GRAPH_BRANCHES = 8  # side-by-side branches of a CopyProgram's CUDA graph
