@@ -1400,6 +1400,47 @@ def test_replay_beside_a_slow_chunkwise_producer(shapes: dict[str, Any], slow: i
     assert seconds[slow] > 2.0 and seconds[1 - slow] < 1.0, seconds
 
 
+class SlowStageTask(LlamaTransferTask):
+    """Two pipeline-stage producers read chunk by chunk; from sync 1 on, producer 0 (the
+    first stage: first in every consumer's plan) takes 1.5 s to open each group it serves."""
+
+    def before_producer_sync(self, step: int, source: Any, **kw: Any) -> None:
+        if self.coordinator.get_rank() == 0 and step == 1:
+            opener = source.open_group
+
+            def open_slowly(names: Any) -> Any:
+                time.sleep(1.5)
+                return opener(names)
+
+            source.open_group = open_slowly
+        super().before_producer_sync(step, source, **kw)
+
+
+@distributed_test(timeout=150)
+def test_read_path_slow_stage_does_not_stall_the_other(shapes: dict[str, Any]) -> None:
+    """Consumers read in plan order: while they take the slow first stage's chunks, for longer
+    than the stall timeout in all, the second stage waits for their 'done' with its slot full.
+    Their 'alive' messages keep it waiting instead of failing the sync on a consumer that is
+    only busy; every sync is byte-exact."""
+    _needs_nixl()
+    results = _launch(
+        4,
+        task=SlowStageTask,
+        comm=CommunicatorType.NIXL_RDT,
+        num_producers=2,
+        num_consumers=2,
+        syncs=3,
+        shapes=shapes,
+        stages=True,
+        config=TransferConfig(
+            workers_per_replica=2, ring_slots=1, replay=False, stall_timeout=2.0, announce_bytes=0
+        ),
+    )
+    _assert_verified(results, 3)
+    seconds = [r["syncs"][2]["seconds"] for r in results]
+    assert min(seconds) > 2.0, seconds  # the whole sync outlasted the stall timeout
+
+
 class DyingInReplayConsumer(LlamaTransferTask):
     """Consumer 1 dies after the first replayed sync."""
 

@@ -74,8 +74,10 @@ from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, bui
 from vllm_dist.tasks.weight_transfer.onesided import (
     OneSidedCommunicator,
     StridedReadCommunicator,
+    alive_message,
     device_synchronize,
     done_message,
+    is_alive,
     parse_done,
     parse_ready,
     parse_replay,
@@ -915,6 +917,8 @@ class WeightProducer(_Engine):
         seen = -1
         while seen < last_seq:
             msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
+            if is_alive(msg):
+                continue  # busy with another producer: wait on
             sync, seq = parse_done(msg, what)
             if sync != self._syncs or not seen < seq <= last_seq:
                 raise RuntimeError(f"{what}: unexpected 'done' for (sync, seq) {(sync, seq)}")
@@ -1095,9 +1099,15 @@ class WeightProducer(_Engine):
             self._announce_all()  # never wait on a consumer that has not been told everything
             self._mark(f"wait done {pair.peer_rank}")
             msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
+            while is_alive(msg):  # busy with another producer: wait on
+                msg = wait_message(
+                    self.communicator, pair.peer_rank, self.config.stall_timeout, what
+                )
             self._mark(f"got done {pair.peer_rank}")
         else:
             found = poll_message(self.communicator, pair.peer_rank)
+            while found is not None and is_alive(found):
+                found = poll_message(self.communicator, pair.peer_rank)
             if found is None:
                 return False
             msg = found
@@ -1606,6 +1616,10 @@ class WeightConsumer(_Engine):
         self._replaying: dict[int, list[Any]] = {}
         self._replayed_from: set[int] = set()
         self._heard: set[int] = set()  # producers whose first message this sync came
+        # READ path, this sync: producer -> the seq of its last 'done' (while not sent yet),
+        # and when each producer last heard from this consumer (``_keep_alive``)
+        self._owed: dict[int, int] = {}
+        self._last_word: dict[int, float] = {}
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self, *, defer: bool = False) -> None:
@@ -2014,8 +2028,14 @@ class WeightConsumer(_Engine):
         flight: deque[tuple[list[int], list[Any]]] = deque()  # (chunk indices, read handles)
         staged: set[tuple[int, int]] = set()  # (producer, staging slot) holding unread bytes
         finished: dict[int, int] = {}  # producer -> last seq read, not yet reported
+        # producer -> the seq of its last 'done' this sync, and when it last heard from us
+        self._owed = {
+            p: max(c.seq for c in pair.chunks) for p, pair in self._pairs.items() if pair.chunks
+        }
+        self._last_word = dict.fromkeys(self._owed, time.monotonic())
         nxt, n = 0, len(self.chunks)
         while nxt < n or flight:
+            self._keep_alive()
             batch: list[int] = []
             announcements: list[Any] = []
             while nxt < n and len(flight) < _BATCHES_IN_FLIGHT:
@@ -2099,8 +2119,7 @@ class WeightConsumer(_Engine):
                     rec.unpack = CopyProgram(rec.dsts, rec.srcs)
                 rec.unpack.run()
                 self._packed += rec.packs
-            done = done_message(self._syncs, rec.last_seq)
-            self.communicator.notify(pair.peer_rank, done)  # type: ignore[attr-defined]
+            self._tell_done(p, rec.last_seq)
             rec.sync = self._syncs
 
     def _check_replay(self, msg: bytes, what: str) -> None:
@@ -2153,11 +2172,21 @@ class WeightConsumer(_Engine):
         this consumer for longer than its reads take, whatever the others do."""
         peer = self._pairs[p].peer_rank
         others = [q for q in self._pairs if q != p and q not in self._heard]
-        if not others and not self._replaying:
-            return wait_message(self.communicator, peer, self.config.stall_timeout, what)
         deadline = time.monotonic() + self.config.stall_timeout
+        if not others and not self._replaying:
+            while len(self._owed) > 1:  # wait in slices, telling the others we are alive
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return wait_message(self.communicator, peer, 0.0, what)  # the stall error
+                try:
+                    wait = min(left, self.config.stall_timeout / 4)
+                    return bytes(self.communicator.wait_notification(peer, wait))  # type: ignore[attr-defined]
+                except TimeoutError:
+                    self._keep_alive()
+            return wait_message(self.communicator, peer, self.config.stall_timeout, what)
         pause = 10e-6
         while True:
+            self._keep_alive()
             msg = poll_message(self.communicator, peer)
             if msg is not None:
                 return msg
@@ -2290,9 +2319,29 @@ class WeightConsumer(_Engine):
     def _report(self, finished: dict[int, int]) -> None:
         self._mark("report")
         for p, seq in finished.items():
-            message = done_message(self._syncs, seq)
-            self.communicator.notify(self._pairs[p].peer_rank, message)  # type: ignore[attr-defined]
+            self._tell_done(p, seq)
         finished.clear()
+
+    def _tell_done(self, p: int, seq: int) -> None:
+        """'Done up to ``seq``' to producer ``p``."""
+        message = done_message(self._syncs, seq)
+        self.communicator.notify(self._pairs[p].peer_rank, message)  # type: ignore[attr-defined]
+        self._last_word[p] = time.monotonic()
+        if self._owed.get(p) == seq:
+            del self._owed[p]
+
+    def _keep_alive(self) -> None:
+        """Tell every producer still owed a 'done' that has not heard from this consumer for a
+        quarter of the stall timeout that it is alive (``alive_message``): reading in plan
+        order, it may be busy with another producer for longer than the timeout in all."""
+        if len(self._owed) < 2:
+            return  # reading the one producer it owes: that one is not waiting on it
+        now = time.monotonic()
+        every = self.config.stall_timeout / 4
+        for p in self._owed:
+            if now - self._last_word[p] >= every:
+                self.communicator.notify(self._pairs[p].peer_rank, alive_message())  # type: ignore[attr-defined]
+                self._last_word[p] = now
 
     def _target(self, j: int) -> torch.Tensor:
         """Where chunk ``j``'s bytes land: its destination (direct) or its staging slot."""

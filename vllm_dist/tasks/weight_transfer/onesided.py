@@ -125,6 +125,7 @@ class StridedReadCommunicator(Protocol):
 
 _DONE = struct.Struct("<cqq")  # b"D", sync, seq: every chunk of the pair up to seq is read
 _REPLAY = struct.Struct("<cq")  # b"P", sync: every chunk is where the previous sync had it
+_ALIVE = b"A"  # a consumer busy reading other producers: wait on (see ``alive_message``)
 
 Announcement = tuple[int, int, int, int, "str | None", Any, "tuple[int, ...] | None"]
 """(sync, seq, offset, nbytes, source, descriptor, strides): chunk ``seq`` is ready at byte
@@ -146,6 +147,18 @@ def ready_message(announcements: Sequence[Announcement]) -> bytes:
 
 def done_message(sync: int, seq: int) -> bytes:
     return _DONE.pack(b"D", sync, seq)
+
+
+def alive_message() -> bytes:
+    """'Still reading, other producers first': a consumer takes chunks in plan order, so a
+    producer late in the plan may wait on it for longer than the stall timeout while it reads
+    a slow producer early in the plan. It sends this to the producers it owes a 'done' at
+    least every quarter of the stall timeout; a producer waiting on it starts its wait over."""
+    return _ALIVE
+
+
+def is_alive(msg: bytes) -> bool:
+    return msg == _ALIVE
 
 
 def replay_message(sync: int) -> bytes:
