@@ -1402,14 +1402,14 @@ def test_replay_beside_a_slow_chunkwise_producer(shapes: dict[str, Any], slow: i
 
 class SlowStageTask(LlamaTransferTask):
     """Two pipeline-stage producers read chunk by chunk; from sync 1 on, producer 0 (the
-    first stage: first in every consumer's plan) takes 1.5 s to open each group it serves."""
+    first stage: first in every consumer's plan) takes 1.8 s to open each group it serves."""
 
     def before_producer_sync(self, step: int, source: Any, **kw: Any) -> None:
         if self.coordinator.get_rank() == 0 and step == 1:
             opener = source.open_group
 
             def open_slowly(names: Any) -> Any:
-                time.sleep(1.5)
+                time.sleep(1.8)
                 return opener(names)
 
             source.open_group = open_slowly
@@ -1433,12 +1433,15 @@ def test_read_path_slow_stage_does_not_stall_the_other(shapes: dict[str, Any]) -
         shapes=shapes,
         stages=True,
         config=TransferConfig(
-            workers_per_replica=2, ring_slots=1, replay=False, stall_timeout=2.0, announce_bytes=0
+            workers_per_replica=2, ring_slots=1, replay=False, stall_timeout=3.0, announce_bytes=0
         ),
+        env={"VLLM_DIST_WT_TRACE": "1"},
     )
     _assert_verified(results, 3)
     seconds = [r["syncs"][2]["seconds"] for r in results]
-    assert min(seconds) > 2.0, seconds  # the whole sync outlasted the stall timeout
+    assert min(seconds) > 3.0, seconds  # the whole sync outlasted the stall timeout
+    heard = {e for _, e in results[1]["trace"] if e.startswith("alive")}  # the last sync
+    assert heard == {"alive 2", "alive 3"}, heard  # the second stage heard both consumers
 
 
 class DyingInReplayConsumer(LlamaTransferTask):

@@ -75,9 +75,9 @@ from vllm_dist.tasks.weight_transfer.onesided import (
     OneSidedCommunicator,
     StridedReadCommunicator,
     alive_message,
+    alive_sync,
     device_synchronize,
     done_message,
-    is_alive,
     parse_done,
     parse_ready,
     parse_replay,
@@ -916,9 +916,8 @@ class WeightProducer(_Engine):
         what = f"producer {self.producer_id} waiting for consumer {cid} to read (replayed sync)"
         seen = -1
         while seen < last_seq:
-            msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
-            if is_alive(msg):
-                continue  # busy with another producer: wait on
+            msg = self._consumer_word(pair.peer_rank, what, block=True)
+            assert msg is not None
             sync, seq = parse_done(msg, what)
             if sync != self._syncs or not seen < seq <= last_seq:
                 raise RuntimeError(f"{what}: unexpected 'done' for (sync, seq) {(sync, seq)}")
@@ -1098,25 +1097,41 @@ class WeightProducer(_Engine):
         if block:
             self._announce_all()  # never wait on a consumer that has not been told everything
             self._mark(f"wait done {pair.peer_rank}")
-            msg = wait_message(self.communicator, pair.peer_rank, self.config.stall_timeout, what)
-            while is_alive(msg):  # busy with another producer: wait on
-                msg = wait_message(
-                    self.communicator, pair.peer_rank, self.config.stall_timeout, what
-                )
+            msg = self._consumer_word(pair.peer_rank, what, block=True)
             self._mark(f"got done {pair.peer_rank}")
         else:
-            found = poll_message(self.communicator, pair.peer_rank)
-            while found is not None and is_alive(found):
-                found = poll_message(self.communicator, pair.peer_rank)
-            if found is None:
-                return False
-            msg = found
+            msg = self._consumer_word(pair.peer_rank, what, block=False)
+        if msg is None:
+            return False
         sync, seq = parse_done(msg, what)
         if sync != self._syncs or not pair.pending or seq < pair.pending[0][0]:
             raise RuntimeError(f"{what}: unexpected 'done' for (sync, seq) {(sync, seq)}")
         while pair.pending and pair.pending[0][0] <= seq:
             barrier.arrive(pair.pending.popleft()[1])
         return True
+
+    def _consumer_word(self, peer: int, what: str, *, block: bool) -> bytes | None:
+        """The consumer's next message that is not 'alive' (None: none yet, when not
+        ``block``). An 'alive' of this sync starts the stall timeout over (the consumer reads
+        other producers first); one of an earlier sync is dropped; a later one is an error."""
+        stall = self.config.stall_timeout
+        deadline = time.monotonic() + stall
+        while True:
+            if block:
+                left = deadline - time.monotonic()
+                msg: bytes | None = wait_message(self.communicator, peer, left, what, stall)
+            else:
+                msg = poll_message(self.communicator, peer)
+            if msg is None:
+                return None
+            sync = alive_sync(msg)
+            if sync is None:
+                return msg
+            if sync > self._syncs:
+                raise RuntimeError(f"{what}: 'alive' for sync {sync}, this is sync {self._syncs}")
+            if sync == self._syncs:
+                self._mark(f"alive {peer}")
+                deadline = time.monotonic() + stall
 
     def _announce_all(self) -> None:
         for pair in self._pairs.values():
@@ -2172,18 +2187,20 @@ class WeightConsumer(_Engine):
         this consumer for longer than its reads take, whatever the others do."""
         peer = self._pairs[p].peer_rank
         others = [q for q in self._pairs if q != p and q not in self._heard]
-        deadline = time.monotonic() + self.config.stall_timeout
+        stall = self.config.stall_timeout
+        deadline = time.monotonic() + stall
         if not others and not self._replaying:
             while len(self._owed) > 1:  # wait in slices, telling the others we are alive
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return wait_message(self.communicator, peer, 0.0, what)  # the stall error
+                    break
                 try:
-                    wait = min(left, self.config.stall_timeout / 4)
+                    wait = min(left, stall / 4)
                     return bytes(self.communicator.wait_notification(peer, wait))  # type: ignore[attr-defined]
                 except TimeoutError:
                     self._keep_alive()
-            return wait_message(self.communicator, peer, self.config.stall_timeout, what)
+            left = deadline - time.monotonic()
+            return wait_message(self.communicator, peer, left, what, stall)
         pause = 10e-6
         while True:
             self._keep_alive()
@@ -2197,7 +2214,7 @@ class WeightConsumer(_Engine):
                         self._take_message(q, first, inbox, f"{what}; from producer {q}")
             self._finish_replays(block=False)
             if time.monotonic() > deadline:
-                return wait_message(self.communicator, peer, 0.0, what)  # the stall error
+                return wait_message(self.communicator, peer, 0.0, what, stall)  # the stall error
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
 
@@ -2333,14 +2350,17 @@ class WeightConsumer(_Engine):
     def _keep_alive(self) -> None:
         """Tell every producer still owed a 'done' that has not heard from this consumer for a
         quarter of the stall timeout that it is alive (``alive_message``): reading in plan
-        order, it may be busy with another producer for longer than the timeout in all."""
+        order, it may be busy with another producer for longer than the timeout in all. Called
+        between batches and while waiting for an announcement, not during one batch's reads
+        (a single batch that reads for most of the stall timeout still stalls the others)."""
         if len(self._owed) < 2:
             return  # reading the one producer it owes: that one is not waiting on it
         now = time.monotonic()
         every = self.config.stall_timeout / 4
         for p in self._owed:
             if now - self._last_word[p] >= every:
-                self.communicator.notify(self._pairs[p].peer_rank, alive_message())  # type: ignore[attr-defined]
+                message = alive_message(self._syncs)
+                self.communicator.notify(self._pairs[p].peer_rank, message)  # type: ignore[attr-defined]
                 self._last_word[p] = now
 
     def _target(self, j: int) -> torch.Tensor:

@@ -125,7 +125,7 @@ class StridedReadCommunicator(Protocol):
 
 _DONE = struct.Struct("<cqq")  # b"D", sync, seq: every chunk of the pair up to seq is read
 _REPLAY = struct.Struct("<cq")  # b"P", sync: every chunk is where the previous sync had it
-_ALIVE = b"A"  # a consumer busy reading other producers: wait on (see ``alive_message``)
+_ALIVE = struct.Struct("<cq")  # b"A", sync: busy reading other producers (``alive_message``)
 
 Announcement = tuple[int, int, int, int, "str | None", Any, "tuple[int, ...] | None"]
 """(sync, seq, offset, nbytes, source, descriptor, strides): chunk ``seq`` is ready at byte
@@ -149,16 +149,21 @@ def done_message(sync: int, seq: int) -> bytes:
     return _DONE.pack(b"D", sync, seq)
 
 
-def alive_message() -> bytes:
-    """'Still reading, other producers first': a consumer takes chunks in plan order, so a
-    producer late in the plan may wait on it for longer than the stall timeout while it reads
-    a slow producer early in the plan. It sends this to the producers it owes a 'done' at
-    least every quarter of the stall timeout; a producer waiting on it starts its wait over."""
-    return _ALIVE
+def alive_message(sync: int) -> bytes:
+    """'Still in sync ``sync``, reading other producers first': a consumer takes chunks in plan
+    order, so a producer late in the plan may wait on it for longer than the stall timeout
+    while it reads a slow producer early in the plan. Between batches and while it waits for
+    an announcement, it sends this to the producers it owes a 'done' that have not heard from
+    it for a quarter of the stall timeout; a producer waiting on it in that sync starts its
+    wait over."""
+    return _ALIVE.pack(b"A", sync)
 
 
-def is_alive(msg: bytes) -> bool:
-    return msg == _ALIVE
+def alive_sync(msg: bytes) -> int | None:
+    """The sync of an 'alive' message, or None for any other message."""
+    if len(msg) != _ALIVE.size or msg[:1] != b"A":
+        return None
+    return int(_ALIVE.unpack(msg)[1])
 
 
 def replay_message(sync: int) -> bytes:
@@ -193,14 +198,18 @@ def parse_done(msg: bytes, what: str) -> tuple[int, int]:
     return sync, seq
 
 
-def wait_message(comm: Any, peer: int, timeout: float, what: str) -> bytes:
-    """The next notification from ``peer``; ``TransferStallError`` when none came in time."""
+def wait_message(
+    comm: Any, peer: int, timeout: float, what: str, stall: float | None = None
+) -> bytes:
+    """The next notification from ``peer``; ``TransferStallError`` when none came within
+    ``timeout`` (the rest of a wait of ``stall`` s, when given: the error names that)."""
     try:
-        return bytes(comm.wait_notification(peer, timeout))
+        return bytes(comm.wait_notification(peer, max(timeout, 0.0)))
     except TimeoutError as exc:
         raise TransferStallError(
-            f"{what}: no message from rank {peer} within the stall timeout of {timeout} s; the "
-            "peer is dead or hung (raise TransferConfig.stall_timeout if transfers are just slow)"
+            f"{what}: no message from rank {peer} within the stall timeout of "
+            f"{timeout if stall is None else stall} s; the peer is dead or hung (raise "
+            "TransferConfig.stall_timeout if transfers are just slow)"
         ) from exc
 
 
