@@ -270,6 +270,7 @@ class _Pair:
     remote_name: str = ""  # READ path: the producer's exposed ring for this pair
     told: set[str] = field(default_factory=set)  # READ: exposed sources this consumer knows
     strided: bool = False  # READ: the consumer reads strided source views in place
+    last_seq: int = -1  # consumer side: the seq of the pair's last chunk (set at set-up)
     outbox: list[Any] = field(default_factory=list)  # READ: announcements not yet sent
     outbox_bytes: int = 0  # READ: bytes of the chunks queued since the last announcement
     outbox_packed: int = 0  # READ: ring slots packed since the last announcement
@@ -1869,6 +1870,7 @@ class WeightConsumer(_Engine):
                 slot_bytes=slot,
                 ring=ServeRing(buf, k, slot),
                 worker=SerialWorker(f"wt-recv-p{p}") if self._threads else None,
+                last_seq=max(c.seq for c in chunks),
             )
         self._items = _item_table(self.requests)
         self._suffixes = _shared_splits(self.requests, 1)
@@ -2044,9 +2046,7 @@ class WeightConsumer(_Engine):
         staged: set[tuple[int, int]] = set()  # (producer, staging slot) holding unread bytes
         finished: dict[int, int] = {}  # producer -> last seq read, not yet reported
         # producer -> the seq of its last 'done' this sync, and when it last heard from us
-        self._owed = {
-            p: max(c.seq for c in pair.chunks) for p, pair in self._pairs.items() if pair.chunks
-        }
+        self._owed = {p: pair.last_seq for p, pair in self._pairs.items() if pair.chunks}
         self._last_word = dict.fromkeys(self._owed, time.monotonic())
         nxt, n = 0, len(self.chunks)
         while nxt < n or flight:
@@ -2087,7 +2087,7 @@ class WeightConsumer(_Engine):
                 continue  # its record stays (and was replayed)
             if pair.replay is not None:
                 pair.replay.close()
-            rec.last_seq = max(c.seq for c in pair.chunks)
+            rec.last_seq = pair.last_seq
             rec.sync = self._syncs if rec.ok else -1
             pair.replay = rec
         self._mark("end")
