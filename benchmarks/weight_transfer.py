@@ -268,6 +268,7 @@ def run_case(
         direct_bytes=args.direct_kib << 10,
         announce_bytes=args.announce_mib << 20,
         strided_reads={"auto": None, "on": True, "off": False}[args.strided],
+        mapped_unpack=not args.no_mapped_unpack,
         replay=not args.no_replay,
     )
     # one intra-op thread per worker, as torchrun sets: workers share the cores
@@ -318,6 +319,7 @@ def run_case(
         },
         "sync_s": sync_s,
         "replay": not args.no_replay,
+        "mapped_unpack": not args.no_mapped_unpack,
         "in_place": args.in_place,
         "sync_all_s": per_sync,
         "gb_s": moved / sync_s / 1e9,
@@ -398,6 +400,12 @@ def main() -> None:
         "--no-replay",
         action="store_true",
         help="TransferConfig(replay=False): every sync chunk by chunk, steady state included",
+    )
+    ap.add_argument(
+        "--no-mapped-unpack",
+        action="store_true",
+        help="TransferConfig(mapped_unpack=False): packed chunks are read into staging, then "
+        "unpacked, also where the consumer maps the producer's ring",
     )
     ap.add_argument(
         "--in-place",

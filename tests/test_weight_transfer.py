@@ -1172,6 +1172,9 @@ def test_chains_that_copy_are_replayed_every_sync(shapes: dict[str, Any], comm: 
     _assert_verified(results, 3)
 
 
+_STEADY = TransferConfig(workers_per_replica=2, direct_bytes=4096, ring_slots=64)
+
+
 def _strided_vs_packed(shapes: dict[str, Any], device: str, strided: bool | None) -> list[Any]:
     """The same fleet with strided reads off and then ``strided``; both byte-exact."""
     runs = []
@@ -1259,8 +1262,36 @@ def test_read_path_strided_reads_one_gpu(shapes: dict[str, Any]) -> None:
         assert strided[role]["syncs"][-1]["packed"] < packed[role]["syncs"][-1]["packed"]
 
 
+@distributed_test(gpus=1, timeout=400)
+def test_read_path_mapped_unpack_one_gpu(shapes: dict[str, Any]) -> None:
+    """On one GPU (CUDA IPC) consumers copy packed items straight from the producer's ring
+    into their parameters: nothing is unpacked from staging, chunk by chunk or replayed, while
+    the producer still packs. With ``mapped_unpack=False`` the same chunks are read into
+    staging and unpacked. Every byte is exact either way."""
+    _needs_nixl()
+    runs = {}
+    for mapped in (False, True):
+        results = _launch(
+            3,
+            timeout=240,
+            comm=CommunicatorType.NIXL_RDT,
+            device="cuda",
+            num_producers=1,
+            num_consumers=2,
+            syncs=4,
+            shapes=shapes,
+            config=replace(_STEADY, mapped_unpack=mapped),
+        )
+        _assert_verified(results, 4)
+        assert _replayed(results) == [[False, False, True, True]] * 3
+        runs[mapped] = [[s["packed"] for s in r["syncs"]] for r in results]
+    for syncs in runs[False][1:] + runs[True][:1]:
+        assert all(packed > 0 for packed in syncs), runs
+    for syncs in runs[True][1:]:
+        assert syncs == [0, 0, 0, 0], runs
+
+
 # -- the steady state: whole syncs replayed -----------------------------------------------------
-_STEADY = TransferConfig(workers_per_replica=2, direct_bytes=4096, ring_slots=64)
 
 
 def _replayed(results: list[dict[str, Any]]) -> list[list[bool]]:

@@ -167,6 +167,12 @@ class TransferConfig:
             them (see ``onesided.py``). None (auto): where the consumer's communicator maps its
             peers' memory (CUDA IPC on one node). True: also through NIXL, one descriptor per
             contiguous run (a weight row). False: never.
+        mapped_unpack: READ path with strided reads, where the consumer maps the producer's
+            ring (CUDA IPC on one node). Each packed item is copied straight from the
+            producer's ring slot into its parameter, through the consumer's own re-layout: one
+            copy where a read into a staging slot and an unpack were two (on one GPU, a sync
+            of many small weights makes three passes over the bytes: pack, read, unpack; this
+            leaves two). False: read into staging, then unpack.
         replay: READ path, producers with a resident source. A sync in which every tensor is
             where it was last sync runs as a replay of that sync: one message per consumer, no
             per-chunk work (module docstring, "Steady state"). False: every sync chunk by
@@ -190,6 +196,7 @@ class TransferConfig:
     announce_bytes: int = 0
     transport: str = "auto"
     strided_reads: bool | None = None
+    mapped_unpack: bool = True
     replay: bool = True
     push_threads: bool | None = None
 
@@ -1624,8 +1631,12 @@ class WeightConsumer(_Engine):
             want is True or (want is None and bool(communicator.maps_peer_memory))  # type: ignore[attr-defined]
         )
         self.layout = _pair_layout(self.layout, self._strided)
+        self._map_packs = self._strided and self.config.mapped_unpack
         # chunk index -> ((source, offset, strides) it was last read from, how): see ``_route``
         self._routes: dict[int, tuple[Any, tuple[str, int, Any, torch.Tensor, bool]]] = {}
+        # packed chunk index -> ((ring, offset) it was announced at, its items' strided reads
+        # from there into the parameters or None, those reads prepared): see ``_gather``
+        self._gathers: dict[int, tuple[tuple[str, int], list[Any] | None, Any]] = {}
         # READ path, this sync: the record being made per producer, the replays whose reads
         # are in flight (producer -> handles), the producers whose message was a replay
         self._recording: dict[int, _Replay] = {}
@@ -2223,6 +2234,7 @@ class WeightConsumer(_Engine):
         comm: Any = self.communicator
         by_producer: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
         strided: dict[int, list[tuple[str, int, Any, torch.Tensor]]] = {}
+        handles: list[Any] = []
         for j, ann in zip(batch, announcements, strict=True):
             self._announced_as[j] = ann
             sync, seq, offset, nbytes, source, _desc, _strides = ann
@@ -2233,8 +2245,14 @@ class WeightConsumer(_Engine):
                     f"(sync, seq, nbytes) {(sync, seq, nbytes)}, expected "
                     f"{(self._syncs, chunk.seq, chunk.nbytes)}"
                 )
-            route = self._route(j, ann)
             rec = self._recording[chunk.producer]
+            gather = self._gather(j, ann)
+            if gather is not None:
+                posted = self._gathers[j][2].post()
+                handles += posted if isinstance(posted, list) else [posted]
+                rec.strided += gather
+                continue
+            route = self._route(j, ann)
             if route is not None:
                 strided.setdefault(chunk.producer, []).append(route[:4])
                 rec.strided.append(route[:4])
@@ -2243,7 +2261,7 @@ class WeightConsumer(_Engine):
             request = (remote, offset, self._target(j))
             by_producer.setdefault(chunk.producer, []).append(request)
             rec.plain.append(request)
-        handles = [
+        handles += [
             comm.read_batch_async(self._pairs[p].peer_rank, requests)
             for p, requests in by_producer.items()
         ]
@@ -2255,6 +2273,8 @@ class WeightConsumer(_Engine):
 
     def _staged(self, j: int, ann: Any) -> bool:
         """Whether chunk ``j``, announced as ``ann``, lands in its staging slot (then unpacks)."""
+        if self._gather(j, ann) is not None:
+            return False
         route = self._route(j, ann)
         return self._direct[j] is None if route is None else not route[4]
 
@@ -2294,6 +2314,52 @@ class WeightConsumer(_Engine):
             route = (source, offset, wire_strides, staging, self._direct[j] is not None)
         self._routes[j] = (key, route)
         return route
+
+    def _gather(self, j: int, ann: Any) -> list[tuple[str, int, Any, torch.Tensor]] | None:
+        """The strided reads that take packed chunk ``j``, announced as ``ann``, item by item
+        from the producer's ring slot straight into the parameters (``mapped_unpack``): where
+        this consumer maps that ring and every item's re-layout is a view of its wire bytes
+        with the parameter's shape and dtype. None: the chunk is read, then unpacked.
+
+        Built (and prepared as one set of reads) once per slot the chunk is announced at."""
+        if ann[4] is not None or not self._map_packs or self._direct[j] is not None:
+            return None  # read in place, or contiguous bytes read straight into the parameter
+        pair = self._pairs[self.chunks[j].producer]
+        key = (pair.remote_name, ann[2])
+        hit = self._gathers.get(j)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        if hit is not None and hit[2] is not None:
+            hit[2].close()
+        routes: list[Any] | None = None
+        if self.communicator.maps_exposed(pair.peer_rank, pair.remote_name):  # type: ignore[attr-defined]
+            routes = []
+            chunk = self.chunks[j]
+            for i, off in zip(chunk.items, chunk.offsets, strict=True):
+                dtype, wire, _ = self._items[i]
+                dest = self._dests[i]
+                geo = None
+                if dest.dtype == dtype:
+                    geo = self._views.geometry(
+                        wire, _contiguous_strides(wire), dtype, self._suffixes[i]
+                    )
+                if geo is None or geo[0] != tuple(dest.shape):
+                    routes = None  # a loader that copies or casts: unpacked from staging
+                    break
+                _size, strides, delta = geo
+                routes.append((key[0], key[1] + off + delta * dest.element_size(), strides, dest))
+        prepared = None
+        if routes is not None:
+            prepared = self._prepare_reads(pair.peer_rank, _Replay(strided=routes))
+        self._gathers[j] = (key, routes, prepared)
+        return routes
+
+    def close(self) -> None:
+        for _key, _routes, prepared in self._gathers.values():
+            if prepared is not None and hasattr(prepared, "close"):
+                prepared.close()
+        self._gathers = {}
+        super().close()
 
     def _complete(
         self,
