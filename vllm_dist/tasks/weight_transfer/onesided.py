@@ -14,7 +14,10 @@ CUDA IPC on one node) asks for them at set-up. Its producers then announce non-c
 (the row-parallel slice of a weight) in place too, with their strides, and the consumer copies
 each straight from the producer's weight into its parameter — through its own re-layout
 (a transpose) where that is a view — with one copy kernel: no pack on the producer, no staging
-and no unpack on the consumer, a third of the memory traffic of pack, read and unpack. Announcements are batched until the
+and no unpack on the consumer, a third of the memory traffic of pack, read and unpack. What is
+still packed (small weights, expert shards) the consumer copies item by item from the
+producer's ring slot on the same mapping straight into its parameters (``mapped_unpack``):
+pack and one copy, where read and unpack were two. Announcements are batched until the
 next group, the next wait, or ``_ANNOUNCE_BYTES`` of queued chunks, and one device
 synchronization covers every pack behind them, so a layer costs one message, not one per weight.
 
