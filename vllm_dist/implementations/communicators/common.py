@@ -478,6 +478,11 @@ class RowGather:
         window = flat.as_strided((flat.numel() - row + 1, row), (1, 1))
         flat, starts_dst = dst
         dst_rows = _block(flat, starts_dst, row)
+        if dst_rows is not None and device.type == "cuda":
+            # rows of separate allocations may follow one another in memory, and a memcpy
+            # (what copy_ of one block into another is) refuses a range that spans two
+            # allocations ("invalid argument"): on CUDA a block is copied by a kernel
+            src_rows = None
         if bool((starts_dst % row).any()):  # off the grid: one index per element
             target = (flat, (starts_dst.unsqueeze(1) + torch.arange(row)).reshape(-1))
             if src_rows is not None:
