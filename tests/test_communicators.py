@@ -328,6 +328,62 @@ def test_row_gather_cuda_graph(staging: int | None) -> None:
     _row_gather_case("cuda", staging)
 
 
+def _row_gather_runs_case(device: str) -> None:
+    """A sync's packs and unpacks of expert shards as one program: two kinds of rows take
+    turns in the slot, chunk after chunk (contiguous halves of w1, row-parallel halves of w2).
+    Each kind is cut where its slot rows stop following one another, so every gather is one
+    kernel with no staging, on the pack (slot rows written as a block) and the unpack (read as
+    a block); every byte lands where ``copy_`` would put it."""
+    from vllm_dist.implementations.communicators.common import CopyProgram
+
+    gen = torch.Generator().manual_seed(7)
+    chunks, per_kind = 4, 10
+    w1 = [torch.randint(-(1 << 15), 1 << 15, (16, 8), dtype=torch.int16, generator=gen)
+          for _ in range(chunks * per_kind)]  # fmt: skip
+    w2 = [torch.randint(-(1 << 15), 1 << 15, (8, 16), dtype=torch.int16, generator=gen)
+          for _ in range(chunks * per_kind)]  # fmt: skip
+    w1 = [t.to(device).view(torch.bfloat16) for t in w1]
+    w2 = [t.to(device).view(torch.bfloat16) for t in w2]
+    srcs = []
+    for c in range(chunks):  # a chunk lays its kinds side by side; the next chunk follows
+        srcs += [t[:8] for t in w1[c * per_kind : (c + 1) * per_kind]]
+        srcs += [t[:, :8] for t in w2[c * per_kind : (c + 1) * per_kind]]
+    slot = torch.zeros(sum(s.numel() for s in srcs), dtype=torch.bfloat16, device=device)
+    dsts, offset = [], 0
+    for s in srcs:
+        dsts.append(slot[offset : offset + s.numel()].view(s.shape))
+        offset += s.numel()
+    # the engine's layout: w1 halves whole parameters, w2 halves the columns of one
+    params = [
+        torch.zeros_like(s) if s.is_contiguous() else torch.zeros_like(s).repeat(1, 2)[:, :8]
+        for s in srcs
+    ]
+    pack, unpack = CopyProgram(dsts, srcs), CopyProgram(params, dsts)
+    for program in (pack, unpack):
+        assert len(program._gathers) == 2 * chunks, len(program._gathers)
+        assert all(g.kernels == 1 and not g.staging_bytes for g in program._gathers)
+    for _step in range(2):
+        pack.run()
+        unpack.run()
+        for p, d, s in zip(params, dsts, srcs, strict=True):
+            assert torch.equal(d.view(torch.int16).cpu(), s.view(torch.int16).cpu())
+            assert torch.equal(p.view(torch.int16).cpu(), s.view(torch.int16).cpu())
+        for t in w1 + w2:
+            t.view(torch.int16).add_(3)
+    pack.close()
+    unpack.close()
+
+
+def test_row_gather_runs_cpu() -> None:
+    _row_gather_runs_case("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
+def test_row_gather_runs_cuda_graph() -> None:
+    _row_gather_runs_case("cuda")
+
+
 def test_row_gather_views_and_refusals() -> None:
     """The flat views a ``RowGather`` reads through alias the memory they were given; a range
     that cannot be viewed, or a device without raw views, gives None (pairs copied one by

@@ -157,7 +157,8 @@ class CopyProgram:
     Planned once: a pair of ``SOLO_COPY_BYTES`` and up is a kernel of its own (strided ones
     widened, ``widest_views``); small strided pairs whose rows are contiguous share a
     ``RowGather`` (two kernels) per element size and row length when there are at least
-    ``GATHER_MIN_PAIRS`` of them, else get a kernel each; every other contiguous pair joins a
+    ``GATHER_MIN_PAIRS`` of them (one kernel per run of pairs whose destinations, or sources,
+    follow one another in memory, ``_runs``), else get a kernel each; every other contiguous pair joins a
     batched launch (``_foreach_copy_``) of its width, its bytes seen as int64 where aligned.
     On CUDA with ``graph``, the launches are recorded into a CUDA graph at the first ``run``,
     so each later run costs one launch however many pairs it copies (100,000 expert slices
@@ -213,7 +214,7 @@ class CopyProgram:
                 self._solo.append(pair)
         self._gathers: list[RowGather] = []
         for (flat, size, row), pairs in rows.items():
-            for part in _parts(pairs, row, GATHER_STAGING_BYTES // (size * row)):
+            for part in _runs(pairs, row, GATHER_STAGING_BYTES // (size * row)):
                 gather = RowGather.plan(part) if len(part) >= GATHER_MIN_PAIRS else None
                 if gather is not None:
                     self._gathers.append(gather)
@@ -368,6 +369,33 @@ def _streams(device: torch.device) -> list[torch.cuda.Stream]:
 GRAPH_BRANCHES = 8  # side-by-side branches of a CopyProgram's CUDA graph
 GATHER_MIN_PAIRS = 8  # pairs of one row length that share two kernels (``RowGather``)
 GATHER_STAGING_BYTES = 64 << 20  # rows one RowGather stages at most (a buffer per program)
+
+
+def _runs(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], row: int, limit: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``pairs`` cut where their destinations stop following one another in memory, or else
+    their sources (runs of ``GATHER_MIN_PAIRS`` or more on average), then into ``_parts``.
+
+    A run's rows are one block on that side, so its ``RowGather`` is one kernel with no
+    staging. A sync's packs (or unpacks) of 100,000 expert shards are two kinds of rows taking
+    turns in a slot (each chunk lays its kinds side by side): one gather per kind over all of
+    them sees neither side as one block and stages every row, twice the traffic of a gather
+    per run."""
+    for side in (0, 1):
+        runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+        end = -1
+        for pair in pairs:
+            t = pair[side]
+            if runs[-1] and t.data_ptr() != end:
+                runs.append([])
+            runs[-1].append(pair)
+            end = t.data_ptr() + t.numel() * t.element_size() if t.is_contiguous() else -1
+        if len(runs) == 1:
+            break  # one block on this side already
+        if len(runs) * GATHER_MIN_PAIRS <= len(pairs):
+            return [part for run in runs for part in _parts(run, row, limit)]
+    return _parts(pairs, row, limit)
 
 
 def _parts(
