@@ -333,21 +333,25 @@ def _row_gather_runs_case(device: str) -> None:
     turns in the slot, chunk after chunk (contiguous halves of w1, row-parallel halves of w2).
     Each kind is cut where its slot rows stop following one another, so every gather is one
     kernel with no staging, on the pack (slot rows written as a block) and the unpack (read as
-    a block); every byte lands where ``copy_`` would put it."""
+    a block); every byte lands where ``copy_`` would put it. Runs too short to earn a gather
+    stay pooled (never a kernel per pair), and a side that is one block is never cut."""
+    from vllm_dist.implementations.communicators import common
     from vllm_dist.implementations.communicators.common import CopyProgram
 
     gen = torch.Generator().manual_seed(7)
-    chunks, per_kind = 4, 10
-    w1 = [torch.randint(-(1 << 15), 1 << 15, (16, 8), dtype=torch.int16, generator=gen)
-          for _ in range(chunks * per_kind)]  # fmt: skip
-    w2 = [torch.randint(-(1 << 15), 1 << 15, (8, 16), dtype=torch.int16, generator=gen)
-          for _ in range(chunks * per_kind)]  # fmt: skip
-    w1 = [t.to(device).view(torch.bfloat16) for t in w1]
-    w2 = [t.to(device).view(torch.bfloat16) for t in w2]
+    chunks = 3
+    per_kind = common.GATHER_RUN_BYTES // 2048 + 1  # 2 KiB shards: a run just over the bar
+
+    def rand(*shape: int) -> torch.Tensor:
+        t = torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, generator=gen)
+        return t.to(device).view(torch.bfloat16)
+
+    w1 = [rand(64, 32) for _ in range(chunks * per_kind)]
+    w2 = [rand(32, 64) for _ in range(chunks * per_kind)]
     srcs = []
     for c in range(chunks):  # a chunk lays its kinds side by side; the next chunk follows
-        srcs += [t[:8] for t in w1[c * per_kind : (c + 1) * per_kind]]
-        srcs += [t[:, :8] for t in w2[c * per_kind : (c + 1) * per_kind]]
+        srcs += [t[:32] for t in w1[c * per_kind : (c + 1) * per_kind]]
+        srcs += [t[:, :32] for t in w2[c * per_kind : (c + 1) * per_kind]]
     slot = torch.zeros(sum(s.numel() for s in srcs), dtype=torch.bfloat16, device=device)
     dsts, offset = [], 0
     for s in srcs:
@@ -355,13 +359,14 @@ def _row_gather_runs_case(device: str) -> None:
         offset += s.numel()
     # the engine's layout: w1 halves whole parameters, w2 halves the columns of one
     params = [
-        torch.zeros_like(s) if s.is_contiguous() else torch.zeros_like(s).repeat(1, 2)[:, :8]
+        torch.zeros_like(s) if s.is_contiguous() else torch.zeros_like(s).repeat(1, 2)[:, :32]
         for s in srcs
     ]
     pack, unpack = CopyProgram(dsts, srcs), CopyProgram(params, dsts)
     for program in (pack, unpack):
         assert len(program._gathers) == 2 * chunks, len(program._gathers)
         assert all(g.kernels == 1 and not g.staging_bytes for g in program._gathers)
+        assert not program._solo and not program._batches
     for _step in range(2):
         pack.run()
         unpack.run()
@@ -372,6 +377,31 @@ def _row_gather_runs_case(device: str) -> None:
             t.view(torch.int16).add_(3)
     pack.close()
     unpack.close()
+    # runs of 7 and 9 small strided shards: below the bar, all in one staged gather as before
+    small = [t[:, :8] for t in w2[:64]]
+    gaps = torch.zeros(64 * 512, dtype=torch.bfloat16, device=device)
+    places, offset = [], 0
+    for i, s in enumerate(small):
+        offset += 256 if i % 16 in (0, 7) else 0  # a gap before each run
+        places.append(gaps[offset : offset + s.numel()].view(s.shape))
+        offset += s.numel()
+    short = CopyProgram(places, small)
+    assert len(short._gathers) == 1 and not short._solo, (len(short._gathers), len(short._solo))
+    # sources one block, destinations in two long runs: one gather, not one per run
+    n = 2 * per_kind
+    whole = rand(n * 32, 32)
+    froms = [whole[i * 32 : (i + 1) * 32] for i in range(n)]
+    spaced = torch.zeros(n * 1024 + 256, dtype=torch.bfloat16, device=device)
+    tos = [spaced[i * 1024 + 256 * (i >= per_kind) :][:1024].view(32, 32) for i in range(n)]
+    block = CopyProgram(tos, froms)
+    assert len(block._gathers) == 1, len(block._gathers)
+    for program in (short, block):
+        program.run()
+        program.close()
+    for to, fro in zip(tos, froms, strict=True):
+        assert torch.equal(to.view(torch.int16).cpu(), fro.view(torch.int16).cpu())
+    for place, s in zip(places, small, strict=True):
+        assert torch.equal(place.view(torch.int16).cpu(), s.view(torch.int16).cpu())
 
 
 def test_row_gather_runs_cpu() -> None:

@@ -369,33 +369,50 @@ def _streams(device: torch.device) -> list[torch.cuda.Stream]:
 GRAPH_BRANCHES = 8  # side-by-side branches of a CopyProgram's CUDA graph
 GATHER_MIN_PAIRS = 8  # pairs of one row length that share two kernels (``RowGather``)
 GATHER_STAGING_BYTES = 64 << 20  # rows one RowGather stages at most (a buffer per program)
+GATHER_RUN_BYTES = 256 << 10  # a run of rows this large gets a RowGather of its own (``_runs``)
 
 
 def _runs(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], row: int, limit: int
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``pairs`` cut where their destinations stop following one another in memory, or else
-    their sources (runs of ``GATHER_MIN_PAIRS`` or more on average), then into ``_parts``.
+    """``pairs`` cut into runs whose destinations (or sources) follow one another in memory,
+    each then into ``_parts``; the pairs of shorter runs stay together as before.
 
     A run's rows are one block on that side, so its ``RowGather`` is one kernel with no
     staging. A sync's packs (or unpacks) of 100,000 expert shards are two kinds of rows taking
     turns in a slot (each chunk lays its kinds side by side): one gather per kind over all of
     them sees neither side as one block and stages every row, twice the traffic of a gather
-    per run."""
+    per run. A run is cut out only when it has ``GATHER_MIN_PAIRS`` pairs and
+    ``GATHER_RUN_BYTES``, so no more runs are cut out than the program moves that many bytes;
+    of the two sides, the one whose runs cover more bytes is cut (none when either side is one
+    block already)."""
+    best: tuple[int, list[list[int]]] = (0, [])
     for side in (0, 1):
-        runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+        runs: list[list[int]] = [[]]
         end = -1
-        for pair in pairs:
+        for i, pair in enumerate(pairs):
             t = pair[side]
             if runs[-1] and t.data_ptr() != end:
                 runs.append([])
-            runs[-1].append(pair)
+            runs[-1].append(i)
             end = t.data_ptr() + t.numel() * t.element_size() if t.is_contiguous() else -1
         if len(runs) == 1:
-            break  # one block on this side already
-        if len(runs) * GATHER_MIN_PAIRS <= len(pairs):
-            return [part for run in runs for part in _parts(run, row, limit)]
-    return _parts(pairs, row, limit)
+            return _parts(pairs, row, limit)  # one block on this side already
+        long = []
+        covered = 0
+        for run in runs:
+            nbytes = sum(pairs[i][0].numel() * pairs[i][0].element_size() for i in run)
+            if len(run) >= GATHER_MIN_PAIRS and nbytes >= GATHER_RUN_BYTES:
+                long.append(run)
+                covered += nbytes
+        if covered > best[0]:
+            best = (covered, long)
+    if not best[1]:
+        return _parts(pairs, row, limit)
+    taken = {i for run in best[1] for i in run}
+    rest = [pair for i, pair in enumerate(pairs) if i not in taken]
+    parts = [part for run in best[1] for part in _parts([pairs[i] for i in run], row, limit)]
+    return parts + (_parts(rest, row, limit) if rest else [])
 
 
 def _parts(

@@ -337,9 +337,8 @@ class _Replay:
     slots: set[tuple[int, int]] = field(default_factory=set)  # consumer: staging slots used
 
     def close(self) -> None:
-        for program in (self.prepared, self.unpack):
-            if program is not None and hasattr(program, "close"):
-                program.close()
+        _close(self.prepared)
+        _close(self.unpack)
         self.prepared = self.unpack = None
 
 
@@ -1547,6 +1546,13 @@ class _Reposter:
         return handles
 
 
+def _close(prepared: Any) -> None:
+    """Release a prepared set of reads (a ``_Reposter`` holds nothing)."""
+    close = getattr(prepared, "close", None)
+    if close is not None:
+        close()
+
+
 def _reworded(error: Exception, msg: str) -> Exception:
     """``error`` said as ``msg``: the same kind (a stall stays a ``TransferStallError``) where
     its type takes a message, caused by ``error``."""
@@ -2329,8 +2335,9 @@ class WeightConsumer(_Engine):
         hit = self._gathers.get(j)
         if hit is not None and hit[0] == key:
             return hit[1]
-        if hit is not None and hit[2] is not None:
-            hit[2].close()
+        if hit is not None:  # dropped before it is closed: a failed rebuild leaves nothing
+            del self._gathers[j]
+            _close(hit[2])
         routes: list[Any] | None = None
         if self.communicator.maps_exposed(pair.peer_rank, pair.remote_name):  # type: ignore[attr-defined]
             routes = []
@@ -2355,10 +2362,9 @@ class WeightConsumer(_Engine):
         return routes
 
     def close(self) -> None:
-        for _key, _routes, prepared in self._gathers.values():
-            if prepared is not None and hasattr(prepared, "close"):
-                prepared.close()
-        self._gathers = {}
+        gathers, self._gathers = self._gathers, {}
+        for _key, _routes, prepared in gathers.values():
+            _close(prepared)
         super().close()
 
     def _complete(
