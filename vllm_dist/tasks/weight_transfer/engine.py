@@ -2305,21 +2305,34 @@ class WeightConsumer(_Engine):
         chunk = self.chunks[j]
         i = chunk.items[0]
         dtype, wire, nbytes = self._items[i]
-        dest = self._dests[i]
         wire_strides = strides if strides is not None else _contiguous_strides(wire)
         offset = ann[2]
-        geo = None
+        view = None
         peer = self._pairs[chunk.producer].peer_rank
-        if dest.dtype == dtype and self.communicator.maps_exposed(peer, source):  # type: ignore[attr-defined]
-            geo = self._views.geometry(wire, wire_strides, dtype, self._suffixes[i])
-        if geo is not None and geo[0] == tuple(dest.shape):
-            _size, view_strides, delta = geo
-            route = (source, offset + delta * dest.element_size(), view_strides, dest, True)
+        if self.communicator.maps_exposed(peer, source):  # type: ignore[attr-defined]
+            view = self._param_view(i, wire_strides)
+        if view is not None:
+            route = (source, offset + view[0], view[1], self._dests[i], True)
         else:
             staging = self._target(j)[:nbytes].view(dtype).view(wire)
             route = (source, offset, wire_strides, staging, self._direct[j] is not None)
         self._routes[j] = (key, route)
         return route
+
+    def _param_view(self, i: int, wire_strides: tuple[int, ...]) -> tuple[int, Any] | None:
+        """(byte offset from the start of item ``i``'s wire bytes, strides) of its parameter
+        view laid over those bytes at ``wire_strides``: where the consumer's re-layout
+        (narrow, transpose) is a view of them with the parameter's shape and dtype, so one
+        strided read lands them in place. None for a loader that copies or casts."""
+        dtype, wire, _ = self._items[i]
+        dest = self._dests[i]
+        if dest.dtype != dtype:
+            return None
+        geo = self._views.geometry(wire, wire_strides, dtype, self._suffixes[i])
+        if geo is None or geo[0] != tuple(dest.shape):
+            return None
+        _size, strides, delta = geo
+        return delta * dest.element_size(), strides
 
     def _gather(self, j: int, ann: Any) -> list[tuple[str, int, Any, torch.Tensor]] | None:
         """The strided reads that take packed chunk ``j``, announced as ``ann``, item by item
@@ -2343,18 +2356,11 @@ class WeightConsumer(_Engine):
             routes = []
             chunk = self.chunks[j]
             for i, off in zip(chunk.items, chunk.offsets, strict=True):
-                dtype, wire, _ = self._items[i]
-                dest = self._dests[i]
-                geo = None
-                if dest.dtype == dtype:
-                    geo = self._views.geometry(
-                        wire, _contiguous_strides(wire), dtype, self._suffixes[i]
-                    )
-                if geo is None or geo[0] != tuple(dest.shape):
+                view = self._param_view(i, _contiguous_strides(self._items[i][1]))
+                if view is None:
                     routes = None  # a loader that copies or casts: unpacked from staging
                     break
-                _size, strides, delta = geo
-                routes.append((key[0], key[1] + off + delta * dest.element_size(), strides, dest))
+                routes.append((key[0], key[1] + off + view[0], view[1], self._dests[i]))
         prepared = None
         if routes is not None:
             prepared = self._prepare_reads(pair.peer_rank, _Replay(strided=routes))
