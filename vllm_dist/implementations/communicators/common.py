@@ -5,10 +5,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import math
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -181,48 +183,8 @@ class CopyProgram:
         graph: bool = True,
         staging: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
-        self._solo: list[tuple[torch.Tensor, torch.Tensor]] = []
-        batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        # (contiguous, element size, row length) -> pairs a RowGather may take
-        rows: dict[tuple[bool, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        device = None
-
-        def batch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-            lists = batches.setdefault(pairs[0][0].dtype, ([], []))
-            lists[0].extend(d for d, _ in pairs)
-            lists[1].extend(s for _, s in pairs)
-
-        for dst, src in zip(dsts, srcs, strict=True):
-            nbytes = dst.numel() * dst.element_size()
-            if not nbytes:
-                continue
-            device = dst.device
-            if nbytes >= SOLO_COPY_BYTES:
-                self._solo.append(widest_views(dst, src))
-                continue
-            flat = dst.is_contiguous() and src.is_contiguous()
-            if flat and dst.dtype == src.dtype:
-                pair = _widest_bytes(dst, src, nbytes)
-            else:
-                pair = (dst, src) if flat else widest_views(dst, src)
-            key = _rows_key(*pair)
-            if key is not None:
-                rows.setdefault((flat, *key), []).append(pair)
-            elif flat:
-                batch([pair])
-            else:
-                self._solo.append(pair)
-        self._gathers: list[RowGather] = []
-        for (flat, size, row), pairs in rows.items():
-            for part in _runs(pairs, row, GATHER_STAGING_BYTES // (size * row)):
-                gather = RowGather.plan(part) if len(part) >= GATHER_MIN_PAIRS else None
-                if gather is not None:
-                    self._gathers.append(gather)
-                elif flat:
-                    batch(part)
-                else:
-                    self._solo.extend(part)
-        self._batches = list(batches.values())
+        self._owners = (list(dsts), list(srcs))  # gathers see raw address ranges of these
+        self._solo, self._batches, self._gathers, device = _plan_copies(dsts, srcs)
         self._units = self._plan_units()
         need = max((g.staging_bytes for g in self._gathers), default=0)
         if need:  # the gathers run one after another: one staging buffer serves them all
@@ -337,6 +299,7 @@ class CopyProgram:
     def close(self) -> None:
         self._graph = None
         self._solo, self._batches, self._gathers, self._units = [], [], [], []
+        self._owners = ([], [])
 
 
 def balance(sizes: list[int], branches: int) -> list[int]:
@@ -372,11 +335,206 @@ GATHER_STAGING_BYTES = 64 << 20  # rows one RowGather stages at most (a buffer p
 GATHER_RUN_BYTES = 256 << 10  # a run of rows this large gets a RowGather of its own (``_runs``)
 
 
-def _runs(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], row: int, limit: int
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``pairs`` cut into runs whose destinations (or sources) follow one another in memory,
-    each then into ``_parts``; the pairs of shorter runs stay together as before.
+class _Kind(NamedTuple):
+    """What every pair of one layout (dtypes, shapes, strides, devices) has in common."""
+
+    nbytes: int
+    flat: bool  # both sides contiguous
+    gather: bool  # rows contiguous on both sides, one dtype and shape: a RowGather may take it
+    widths: tuple[int, ...]  # element sizes to try, widest first (each pair takes the first
+    # its addresses or storage offsets allow)
+    rows: int  # rows (last-dimension runs) per pair
+    offsets: tuple[torch.Tensor, torch.Tensor] | None  # byte offset of each row (dst, src)
+    contiguous: tuple[bool, bool]
+
+
+def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """``Tensor.is_contiguous`` from a shape and strides (dimensions of size 1 ignored)."""
+    expected = 1
+    for n, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if n != 1 and stride != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _row_offsets(shape: tuple[int, ...], strides: tuple[int, ...], size: int) -> torch.Tensor:
+    """The byte offset of every row (last-dimension run) of a layout, row-major."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(shape[:-1], strides[:-1], strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
+    return offsets.reshape(-1) * size
+
+
+def _kind(layout: tuple[Any, ...]) -> _Kind:
+    """The ``_Kind`` of pairs of ``layout`` (``_plan_copies``): how ``widest_views`` and
+    ``_widest_bytes`` would see them, and whether their rows can be gathered."""
+    ddt, sdt, dshape, sshape, dstr, sstr, ddev, sdev = layout
+    size = ddt.itemsize
+    numel = math.prod(dshape)
+    contiguous = (_contiguous(dshape, dstr), _contiguous(sshape, sstr))
+    flat = all(contiguous)
+    nbytes = numel * size
+    if flat:
+        if ddt != sdt:  # a casting copy: batched as it is
+            return _Kind(nbytes, True, False, (), 1, None, contiguous)
+        flat_widths = tuple(w for w in (8, 4, 2) if nbytes % w == 0) + (1,)
+        return _Kind(nbytes, True, ddev == sdev, flat_widths, 1, None, contiguous)
+    rowwise = ddt == sdt and len(dshape) > 0 and dstr[-1] == 1 and sstr[-1] == 1
+    widths: tuple[int, ...] = ()
+    if rowwise:  # widest_views' choices, before the storage offsets have their say
+        for wide in (8, 4, 2):
+            ratio = wide // size
+            if ratio <= 1:
+                break
+            if dshape[-1] % ratio == 0 and all(st % ratio == 0 for st in (*dstr[:-1], *sstr[:-1])):
+                widths += (wide,)
+    widths += (size,)
+    gather = rowwise and dshape == sshape and ddev == sdev and size in _INT_OF_SIZE
+    offsets = (_row_offsets(dshape, dstr, size), _row_offsets(sshape, sstr, size))
+    rows = numel // dshape[-1] if len(dshape) else 1
+    return _Kind(nbytes, False, gather, widths, rows, offsets if gather else None, contiguous)
+
+
+def _plan_copies(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+) -> tuple[
+    list[tuple[torch.Tensor, torch.Tensor]],
+    list[tuple[list[torch.Tensor], list[torch.Tensor]]],
+    list[RowGather],
+    torch.device | None,
+]:
+    """``CopyProgram``'s plan: (solo pairs, batches per dtype, gathers, device).
+
+    100,000 pairs are planned in well under a second: each pair's layout is read once, what
+    follows from a layout is worked out once per layout (``_kind``), rows are addressed with
+    tensor ops, and views are made only of the pairs that end up copied one by one or
+    batched (planning view by view took about 30 µs a pair: seconds per sync of a MoE).
+    """
+    solo: list[tuple[torch.Tensor, torch.Tensor]] = []
+    batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    kinds: dict[tuple[Any, ...], _Kind] = {}
+    # (device, flat, element size, row length) -> the pairs a RowGather may take, in order
+    rows: dict[tuple[Any, ...], list[_Member]] = {}
+    device = None
+
+    def batch(i: int, kind: _Kind) -> None:
+        dst, src = dsts[i], srcs[i]
+        if kind.gather:  # flat, one dtype: seen as the widest integers it allows
+            dst, src = _widest_bytes(dst, src, kind.nbytes)
+        lists = batches.setdefault(dst.dtype, ([], []))
+        lists[0].append(dst)
+        lists[1].append(src)
+
+    for i, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
+        layout = (
+            dst.dtype,
+            src.dtype,
+            dst.shape,
+            src.shape,
+            dst.stride(),
+            src.stride(),
+            dst.device,
+            src.device,
+        )
+        kind = kinds.get(layout)
+        if kind is None:
+            kind = kinds[layout] = _kind(layout)
+        if not kind.nbytes:
+            continue
+        device = layout[6]
+        if kind.nbytes >= SOLO_COPY_BYTES:
+            solo.append(widest_views(dst, src))
+        elif not kind.gather:
+            if kind.flat:
+                batch(i, kind)
+            else:
+                solo.append(widest_views(dst, src))
+        else:
+            d, s = dst.data_ptr(), src.data_ptr()
+            if kind.flat:
+                size = 1
+                for size in kind.widths:
+                    if d % size == 0 and s % size == 0:
+                        break
+                row = kind.nbytes // size
+            else:
+                item = dst.element_size()
+                do, so = int(dst.storage_offset()), int(src.storage_offset())
+                for size in kind.widths:
+                    ratio = max(1, size // item)
+                    if do % ratio == 0 and so % ratio == 0:
+                        break
+                row = int(dst.shape[-1]) * item // size
+            rows.setdefault((layout[6], kind.flat, size, row), []).append((i, kind, d, s))
+    gathers: list[RowGather] = []
+    for (dev, flat, size, row), members in rows.items():
+        count = [m[1].rows for m in members]
+        addresses = _pair_rows(members)
+        counts = torch.tensor(count, dtype=torch.int64)
+        first = torch.cumsum(counts, 0) - counts
+        limit = GATHER_STAGING_BYTES // (size * row)
+        for part in _runs(members, limit):
+            gather = None
+            if len(part) >= GATHER_MIN_PAIRS:
+                dst_rows, src_rows = _part_rows(addresses, counts, first, part)
+                gather = RowGather.plan(dst_rows, src_rows, size, row, dev)
+            if gather is not None:
+                gathers.append(gather)
+                continue
+            for p in part:
+                i, kind = members[p][0], members[p][1]
+                if flat:
+                    batch(i, kind)
+                else:
+                    solo.append(widest_views(dsts[i], srcs[i]))
+    return solo, list(batches.values()), gathers, device
+
+
+_Member = tuple[int, _Kind, int, int]  # (pair index, kind, dst address, src address)
+
+
+def _pair_rows(members: list[_Member]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The byte address of every row of ``members``' pairs, in order (dst, src)."""
+    out: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for _, run in itertools.groupby(members, key=lambda m: id(m[1])):
+        run_members = list(run)
+        kind = run_members[0][1]
+        for side in (0, 1):
+            bases = torch.tensor([m[3] if side else m[2] for m in run_members], dtype=torch.int64)
+            if kind.offsets is None:
+                out[side].append(bases)
+            else:
+                out[side].append((bases.unsqueeze(1) + kind.offsets[side]).reshape(-1))
+    return torch.cat(out[0]), torch.cat(out[1])
+
+
+def _part_rows(
+    addresses: tuple[torch.Tensor, torch.Tensor],
+    counts: torch.Tensor,
+    first: torch.Tensor,
+    part: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows (dst, src addresses) of the pairs at positions ``part`` (increasing), of
+    ``counts`` rows each, the first at ``first``."""
+    a, b = part[0], part[-1]
+    if b - a + 1 == len(part):  # a run of positions: a slice of rows
+        lo, hi = int(first[a]), int(first[b] + counts[b])
+        return addresses[0][lo:hi], addresses[1][lo:hi]
+    at = torch.tensor(part, dtype=torch.int64)
+    n = counts[at]
+    start = torch.repeat_interleave(first[at], n)
+    within = torch.arange(int(n.sum()), dtype=torch.int64) - torch.repeat_interleave(
+        torch.cumsum(n, 0) - n, n
+    )
+    rows = start + within
+    return addresses[0][rows], addresses[1][rows]
+
+
+def _runs(members: list[_Member], limit: int) -> list[list[int]]:
+    """The positions of ``members`` cut into runs whose destinations (or sources) follow one
+    another in memory, each then into ``_parts``; the pairs of shorter runs stay together as
+    before.
 
     A run's rows are one block on that side, so its ``RowGather`` is one kernel with no
     staging. A sync's packs (or unpacks) of 100,000 expert shards are two kinds of rows taking
@@ -386,68 +544,54 @@ def _runs(
     ``GATHER_RUN_BYTES``, so no more runs are cut out than the program moves that many bytes;
     of the two sides, the one whose runs cover more bytes is cut (none when either side is one
     block already)."""
-    best: tuple[int, list[list[int]]] = (0, [])
+    count = [m[1].rows for m in members]
+    everything = range(len(members))
+    best: tuple[int, list[range]] = (0, [])
     for side in (0, 1):
-        runs: list[list[int]] = [[]]
-        end = -1
-        for i, pair in enumerate(pairs):
-            t = pair[side]
-            if runs[-1] and t.data_ptr() != end:
-                runs.append([])
-            runs[-1].append(i)
-            end = t.data_ptr() + t.numel() * t.element_size() if t.is_contiguous() else -1
-        if len(runs) == 1:
-            return _parts(pairs, row, limit)  # one block on this side already
-        long = []
-        covered = 0
-        for run in runs:
-            nbytes = sum(pairs[i][0].numel() * pairs[i][0].element_size() for i in run)
-            if len(run) >= GATHER_MIN_PAIRS and nbytes >= GATHER_RUN_BYTES:
-                long.append(run)
-                covered += nbytes
+        runs: list[tuple[int, int, int]] = []  # (first position, past the last, bytes)
+        first, nbytes, end = 0, 0, -1
+        for p, member in enumerate(members):
+            kind, at = member[1], (member[3] if side else member[2])
+            if p and at != end:
+                runs.append((first, p, nbytes))
+                first, nbytes = p, 0
+            nbytes += kind.nbytes
+            end = at + kind.nbytes if kind.contiguous[side] else -1
+        if not runs:
+            return _parts(everything, count, limit)  # one block on this side already
+        runs.append((first, len(members), nbytes))
+        long = [
+            range(a, b) for a, b, n in runs if b - a >= GATHER_MIN_PAIRS and n >= GATHER_RUN_BYTES
+        ]
+        covered = sum(n for a, b, n in runs if b - a >= GATHER_MIN_PAIRS and n >= GATHER_RUN_BYTES)
         if covered > best[0]:
             best = (covered, long)
     if not best[1]:
-        return _parts(pairs, row, limit)
-    taken = {i for run in best[1] for i in run}
-    rest = [pair for i, pair in enumerate(pairs) if i not in taken]
-    parts = [part for run in best[1] for part in _parts([pairs[i] for i in run], row, limit)]
-    return parts + (_parts(rest, row, limit) if rest else [])
+        return _parts(everything, count, limit)
+    taken = [False] * len(members)
+    for run in best[1]:
+        taken[run.start : run.stop] = [True] * len(run)
+    rest = [p for p in everything if not taken[p]]
+    parts = [part for run in best[1] for part in _parts(run, count, limit)]
+    return parts + (_parts(rest, count, limit) if rest else [])
 
 
-def _parts(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], row: int, limit: int
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``pairs`` cut into runs of at most ``limit`` rows each (a larger pair alone)."""
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
-    count = 0
-    for pair in pairs:
-        n = pair[0].numel() // row
-        if parts[-1] and count + n > limit:
+def _parts(positions: Iterable[int], count: list[int], limit: int) -> list[list[int]]:
+    """``positions`` cut into runs of at most ``limit`` rows each (a larger pair alone);
+    ``count[p]``: the rows of the pair at position ``p``."""
+    parts: list[list[int]] = [[]]
+    rows = 0
+    for p in positions:
+        n = count[p]
+        if parts[-1] and rows + n > limit:
             parts.append([])
-            count = 0
-        parts[-1].append(pair)
-        count += n
+            rows = 0
+        parts[-1].append(p)
+        rows += n
     return parts
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _rows_key(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int] | None:
-    """(element size, row length) of a pair whose rows (last dimension) are contiguous on both
-    sides (a contiguous pair seen flat is one row), the pairs a ``RowGather`` can batch; None
-    for any other."""
-    if (
-        dst.dtype != src.dtype
-        or dst.shape != src.shape
-        or dst.dim() == 0
-        or dst.stride(-1) != 1
-        or src.stride(-1) != 1
-        or dst.element_size() not in _INT_OF_SIZE
-    ):
-        return None
-    return dst.element_size(), dst.shape[-1]
 
 
 class RowGather:
@@ -467,14 +611,12 @@ class RowGather:
 
     def __init__(
         self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
         source: tuple[torch.Tensor, torch.Tensor],
         target: tuple[torch.Tensor, torch.Tensor],
         *,
         dst_rows: torch.Tensor | None = None,
         src_rows: torch.Tensor | None = None,
     ) -> None:
-        self._pairs = pairs
         self._window, self._rows = source
         self._target, self._index = target
         self._dst_rows = dst_rows  # the destination rows as one block, when they are one
@@ -506,16 +648,20 @@ class RowGather:
         self._staged = self._staging if self._target.dim() == 2 else self._staging.view(-1)
 
     @classmethod
-    def plan(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> RowGather | None:
-        """The gather of ``pairs`` (one element size and row length, as ``_rows_key`` groups
-        them), or None where their device or addresses do not allow it."""
-        size, row = pairs[0][0].element_size(), pairs[0][0].shape[-1]
+    def plan(
+        cls,
+        dst_at: torch.Tensor,
+        src_at: torch.Tensor,
+        size: int,
+        row: int,
+        device: torch.device,
+    ) -> RowGather | None:
+        """The gather of rows of ``row`` elements of ``size`` bytes from the byte addresses
+        ``src_at`` to ``dst_at`` (int64, one per row, in order) on ``device``, or None where
+        the device or the addresses do not allow it. The caller keeps the memory."""
         dtype = _INT_OF_SIZE[size]
-        device = pairs[0][0].device
-        if any(t.device != device for pair in pairs for t in pair):
-            return None
-        src = _span(_row_addresses([s for _, s in pairs]), row, dtype, device)
-        dst = _span(_row_addresses([d for d, _ in pairs]), row, dtype, device)
+        src = _span(src_at, row, dtype, device)
+        dst = _span(dst_at, row, dtype, device)
         if src is None or dst is None:
             return None
         flat, starts = src
@@ -535,7 +681,6 @@ class RowGather:
         else:
             target = (flat.view(-1, row), starts_dst // row)
         return cls(
-            pairs,
             (window, starts.to(device)),
             (target[0], target[1].to(device)),
             dst_rows=dst_rows,
@@ -566,21 +711,6 @@ def _block(flat: torch.Tensor, starts: torch.Tensor, row: int) -> torch.Tensor |
     if not torch.equal(starts, first + torch.arange(n, dtype=starts.dtype) * row):
         return None
     return flat[first : first + n * row].view(n, row)
-
-
-def _row_addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The byte address of every row (last-dimension run) of every tensor, in order (row-major
-    within each); one pass of tensor ops per run of tensors that share a layout."""
-    parts = []
-    for (shape, strides, size), run in itertools.groupby(
-        tensors, key=lambda t: (t.shape[:-1], t.stride()[:-1], t.element_size())
-    ):
-        offsets = torch.zeros((), dtype=torch.int64)
-        for n, stride in zip(shape, strides, strict=True):
-            offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
-        bases = torch.tensor([t.data_ptr() for t in run], dtype=torch.int64)
-        parts.append((bases.unsqueeze(1) + offsets.reshape(1, -1) * size).reshape(-1))
-    return torch.cat(parts)
 
 
 def _span(
