@@ -489,8 +489,8 @@ class WeightProducer(_Engine):
         self._source_names: dict[tuple[int, int], tuple[str, Any]] = {}  # exposed sources
         self._generation = 0  # serve rings exposed by ``admit``
         self._dirty = False  # READ path: device work queued since the last synchronization
-        # READ path: (destinations, sources) of the packs queued since the last announcement
-        self._packs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        # READ path: the packs queued since the last announcement (``_program``'s launches)
+        self._packs: list[Callable[[], None]] = []
         self._seen_sources: tuple[set[Any], set[Any]] = (set(), set())  # (last sync, this one)
         # group -> (tensor objects, data pointers) when the recorded sync opened it
         self._seen_groups: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
@@ -1033,9 +1033,10 @@ class WeightProducer(_Engine):
         """Send the pair's queued announcements as one message, once every pack and source
         behind them is in place (one device synchronization covers all of them)."""
         if pair.outbox:
-            if self._packs[0]:  # every queued pack in one launch
-                batched_copy(*self._packs)
-                self._packs = ([], [])
+            if self._packs:  # every queued pack, then one synchronization below
+                packs, self._packs = self._packs, []
+                for launch in packs:
+                    launch()
                 self._dirty = True
             if self._dirty:
                 device_synchronize(self.communicator.device)
@@ -1289,8 +1290,7 @@ class WeightProducer(_Engine):
         """Queue the copies of the chunk's items into its slot for ``_announce``."""
         self._packed += 1
         dsts, srcs = self._pack_views(slot, pair, chunk, tensors)
-        self._packs[0].extend(dsts)
-        self._packs[1].extend(srcs)
+        self._packs.append(self._program(pair, chunk, dsts, srcs))
         if pair.replay is not None:
             pair.replay.dsts.extend(dsts)
             pair.replay.srcs.extend(srcs)
@@ -1331,11 +1331,18 @@ class WeightProducer(_Engine):
         chunk: Chunk,
         tensors: Mapping[str, torch.Tensor],
     ) -> Callable[[], None]:
-        """What packs the chunk into ``slot`` (push path): a ``CopyProgram`` kept while the
-        chunk's sources and slot stay (planned once: widened views, one gather for many small
-        strided items such as row-parallel expert shards), or a one-off batched copy of the
-        fresh bytes of a chain that copies."""
+        """What packs the chunk into ``slot`` (push path)."""
         dsts, srcs = self._pack_views(slot, pair, chunk, tensors)
+        return self._program(pair, chunk, dsts, srcs)
+
+    def _program(
+        self, pair: _Pair, chunk: Chunk, dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+    ) -> Callable[[], None]:
+        """What copies the chunk's sources into its slot views: a ``CopyProgram`` kept while
+        the chunk's sources and slot stay (planned once: widened views, one gather for many
+        small strided items such as row-parallel expert shards, where a copy each would be
+        a kernel each on a GPU), or a one-off batched copy of the fresh bytes of a chain that
+        copies."""
         plan = pair.views[chunk.index]
         if plan.copies:
             return partial(batched_copy, dsts, srcs)
