@@ -76,7 +76,7 @@ from vllm_dist.tasks.weight_transfer.tp import (
     tiny_llama_config,
     transposed_row_parallel,
 )
-from vllm_dist.tasks.weight_transfer.views import ViewCache
+from vllm_dist.tasks.weight_transfer.views import ViewCache, slot_views
 
 MiB = 1 << 20
 
@@ -356,6 +356,36 @@ def test_view_cache_replays_by_geometry() -> None:
     copying = (("t", ()), ("reshape", (48,)))  # a copy has no geometry: replayed as is
     assert views.geometry((6, 8), (8, 1), torch.float32, copying) is None
     assert torch.equal(views(w, copying), replay(w, copying))
+
+
+def test_slot_views_match_item_by_item_views() -> None:
+    """``slot_views`` gives what ``slot[off:off+n].view(dtype).view(shape)`` gives per item
+    (address, shape, strides, dtype, contents, and writes land in the slot), for runs of one
+    spec at one spacing, a spacing that changes in a run, runs too short to batch, other
+    dtypes and shapes (3-D, 0-d) and an odd-sized tail."""
+    slot = torch.arange(1 << 14, dtype=torch.int32).view(torch.uint8)[4:]  # slot at an offset
+    bf, f32 = torch.bfloat16, torch.float32
+    specs = [(bf, (4, 8), 64)] * 6 + [(f32, (2, 3, 2), 48)] * 5 + [(bf, (), 2)] * 4
+    specs += [(torch.uint8, (3,), 3)] * 2 + [(bf, (4, 8), 64)] * 3
+    offsets, at = [], 0
+    for k, (_, _, nbytes) in enumerate(specs):
+        offsets.append(at)
+        at += nbytes + (64 if k == 3 else 0)  # one gap in the first run: two runs
+        at = -(-at // 16) * 16
+    got = slot_views(slot, specs, offsets)
+    assert len(got) == len(specs)
+    for view, (dtype, shape, nbytes), off in zip(got, specs, offsets, strict=True):
+        want = slot[off : off + nbytes].view(dtype).view(shape)
+        assert (view.data_ptr(), view.shape, view.stride(), view.dtype) == (
+            want.data_ptr(),
+            want.shape,
+            want.stride(),
+            want.dtype,
+        ), (off, shape)
+        as_bytes = view.reshape(-1).view(torch.uint8)
+        assert view.is_contiguous() and torch.equal(as_bytes, want.reshape(-1).view(torch.uint8))
+    got[7].fill_(1.5)  # a view of the slot, not a copy
+    assert torch.equal(slot[offsets[7] : offsets[7] + 48].view(f32), torch.full((12,), 1.5))
 
 
 def test_buffer_alloc_bytes() -> None:

@@ -123,7 +123,7 @@ from vllm_dist.tasks.weight_transfer.ring import (
     wait_or_stall,
 )
 from vllm_dist.tasks.weight_transfer.source import WeightSource, dtype_from_str
-from vllm_dist.tasks.weight_transfer.views import ViewCache
+from vllm_dist.tasks.weight_transfer.views import ViewCache, slot_views
 
 Route = Callable[[str], Iterable[tuple[str, Loader]]]
 """``route(hf_name)`` -> the (destination parameter name, loader) pairs that take that weight."""
@@ -1367,10 +1367,7 @@ class WeightProducer(_Engine):
         plan = pair.views[chunk.index]
         if plan.dsts is None or plan.slot_ptr != slot.data_ptr():  # views per slot it lands in
             plan.slot_ptr = slot.data_ptr()
-            plan.dsts = [
-                slot[off : off + pair.items[i][2]].view(pair.items[i][0]).view(pair.items[i][1])
-                for i, off in zip(chunk.items, chunk.offsets, strict=True)
-            ]
+            plan.dsts = slot_views(slot, [pair.items[i] for i in chunk.items], chunk.offsets)
         return plan.dsts, self._sources(pair, chunk, tensors)
 
     def _sources(
@@ -2497,10 +2494,10 @@ class WeightConsumer(_Engine):
         if views is None:
             chunk = self.chunks[j]
             slot = self._target(j) if slot is None else slot
-            srcs = []
-            for i, off in zip(chunk.items, chunk.offsets, strict=True):
-                dtype, shape, nbytes = self._items[i]
-                wire = slot[off : off + nbytes].view(dtype).view(shape)
-                srcs.append(self._views(wire, self._suffixes[i]))
+            wires = slot_views(slot, [self._items[i] for i in chunk.items], chunk.offsets)
+            srcs = [
+                self._views(wire, self._suffixes[i])
+                for wire, i in zip(wires, chunk.items, strict=True)
+            ]
             views = self._unpack_views[j] = ([self._dests[i] for i in chunk.items], srcs)
         return views
