@@ -26,8 +26,8 @@ every tensor is the same object at the same address. With a resident source (``r
 opening every group at once costs no memory) a producer records what each complete sync did —
 the packs per pair — and each consumer the reads and unpacks it posted. At the next sync the
 producer opens every group and compares objects and addresses with the recorded ones; if
-nothing moved, it runs the recorded packs as one batched copy and sends each consumer a single
-``replay_message``. The consumer posts its recorded reads as one prepared set
+nothing moved, it runs the recorded packs as one program per consumer (``CopyProgram``) and
+sends each consumer a single ``replay_message``. The consumer posts its recorded reads as one prepared set
 (``prepare_reads``: on CUDA IPC mappings one CUDA graph), unpacks, and answers once. Per-chunk
 work disappears from both sides. A sync is recorded only when replaying it is safe and worth it:
 no chain that copies (fresh bytes), no more packs than ring slots (all packed at once), no
@@ -894,7 +894,7 @@ class WeightProducer(_Engine):
         self, start: float, opened: Mapping[int, Mapping[str, torch.Tensor]], packed: bool
     ) -> SyncStats:
         """The steady state: every source is where it was, so every chunk is too. The recorded
-        packs ran as one batched copy, each consumer gets one message for the whole sync and
+        packs ran as one program per consumer, each consumer gets one message for the whole sync and
         answers once it has read everything; no per-chunk work on this side."""
         self._mark("replay")
         pairs = [(cid, pair, pair.replay) for cid, pair in self._pairs.items() if pair.replay]
