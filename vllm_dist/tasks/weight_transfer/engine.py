@@ -30,9 +30,9 @@ nothing moved, it runs the recorded packs as one program per consumer (``CopyPro
 sends each consumer a single ``replay_message``. The consumer posts its recorded reads as one
 prepared set (``prepare_reads``: on CUDA IPC mappings one CUDA graph), unpacks, and answers
 once. Per-chunk work disappears from both sides. A sync is recorded only when replaying it is
-safe and worth it: no chain that copies (fresh bytes), no more packs than ring slots (all packed at once), no
-source seen for the first time (it is read in place from the next sync on), and on the
-consumer no staging slot used twice. Anything else — a swapped storage, a consumer that
+safe and worth it: no chain that copies (fresh bytes), no more packs than ring slots (all
+packed at once), no source seen for the first time (it is read in place from the next sync
+on), and on the consumer no staging slot used twice. Anything else — a swapped storage, a consumer that
 (re)joined, a consumer whose record cannot be replayed — falls back to the chunk-by-chunk path
 (a consumer reads a replay message as the last sync's announcements, one by one).
 
