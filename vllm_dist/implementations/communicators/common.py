@@ -160,8 +160,8 @@ class CopyProgram:
     widened, ``widest_views``); small strided pairs whose rows are contiguous share a
     ``RowGather`` (two kernels) per element size and row length when there are at least
     ``GATHER_MIN_PAIRS`` of them (one kernel per run of pairs whose destinations, or sources,
-    follow one another in memory, ``_runs``), else get a kernel each; every other contiguous pair joins a
-    batched launch (``_foreach_copy_``) of its width, its bytes seen as int64 where aligned.
+    follow one another in memory, ``_runs``), else get a kernel each; every other contiguous
+    pair joins a batched launch (``_foreach_copy_``) of its width, its bytes seen as int64 where aligned.
     On CUDA with ``graph``, the launches are recorded into a CUDA graph at the first ``run``,
     so each later run costs one launch however many pairs it copies (100,000 expert slices
     included). In the graph the launches are spread over ``GRAPH_BRANCHES`` branches that run
