@@ -33,8 +33,9 @@ once. Per-chunk work disappears from both sides. A sync is recorded only when re
 safe and worth it: no chain that copies (fresh bytes), no more packs than ring slots (all
 packed at once), no source seen for the first time (it is read in place from the next sync
 on), and on the consumer no staging slot used twice. Anything else — a swapped storage, a
-consumer that (re)joined, a consumer whose record cannot be replayed — falls back to the chunk-by-chunk path
-(a consumer reads a replay message as the last sync's announcements, one by one).
+consumer that (re)joined, a consumer whose record cannot be replayed — falls back to the
+chunk-by-chunk path (a consumer reads a replay message as the last sync's announcements, one
+by one).
 
 Sync, push path: producers walk their chunks group by group, consumers taking turns within a
 group (the pair's chunk i of each before chunk i + 1 of any), so a full ring for one consumer
