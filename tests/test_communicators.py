@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -412,6 +413,40 @@ def test_row_gather_runs_cpu() -> None:
 @pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
 def test_row_gather_runs_cuda_graph() -> None:
     _row_gather_runs_case("cuda")
+
+
+def test_copy_program_keeps_gathered_memory_and_stages_per_device() -> None:
+    """A ``CopyProgram`` keeps the storages its gathers see as raw address ranges: a
+    destination its owner re-points after planning (``t.data = ...``) gets no write, and the
+    run touches no freed memory (destinations of 200 KB: freed, they are unmapped). Gathers of
+    a program whose pairs span two devices each stage on their own device."""
+    from vllm_dist.implementations.communicators.common import CopyProgram
+
+    n = 50_000
+    dsts = [torch.zeros(n) for _ in range(8)]
+    whole = torch.randn(8 * n)
+    program = CopyProgram(dsts, [whole[k * n : (k + 1) * n] for k in range(8)], graph=False)
+    assert len(program._gathers) == 1
+    for d in dsts:
+        d.data = torch.zeros(n)  # re-pointed: the planned storage has no other owner
+    gc.collect()
+    program.run()
+    assert all(not d.any() for d in dsts)
+
+    full = torch.randn(10, 8, 32)
+    out = torch.zeros(10, 8, 32)
+    meta = torch.empty(10, 8, 32, device="meta")
+    program = CopyProgram(
+        [out[k, :, 16:] for k in range(10)] + [meta[k, :, 16:] for k in range(10)],
+        [full[k, :, :16] for k in range(10)] + [meta[k, :, :16] for k in range(10)],
+        graph=False,
+    )
+    staged = [g for g in program._gathers if g.staging_bytes]
+    assert staged and all(
+        g._staging is not None and g._staging.device.type == "cpu" for g in staged
+    )
+    program.run()
+    assert torch.equal(out[:, :, 16:], full[:, :, :16])
 
 
 def test_row_gather_views_and_refusals() -> None:

@@ -183,17 +183,25 @@ class CopyProgram:
         graph: bool = True,
         staging: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
-        self._owners = (list(dsts), list(srcs))  # gathers see raw address ranges of these
-        self._solo, self._batches, self._gathers, device = _plan_copies(dsts, srcs)
+        # the storages the gathers see as raw address ranges: kept, so that a tensor re-pointed
+        # by its owner (``t.data = ...``) leaves stale bytes behind, not freed memory
+        self._owners: list[torch.UntypedStorage] = []
+        self._solo, self._batches, self._gathers, device = _plan_copies(dsts, srcs, self._owners)
         self._units = self._plan_units()
-        need = max((g.staging_bytes for g in self._gathers), default=0)
-        if need:  # the gathers run one after another: one staging buffer serves them all
-            if staging is None:
-                buffer = torch.empty(need, dtype=torch.uint8, device=device)
+        need: dict[torch.device, int] = {}
+        for g in self._gathers:
+            need[g.device] = max(need.get(g.device, 0), g.staging_bytes)
+        for where, nbytes in need.items():
+            if not nbytes:
+                continue
+            # the gathers of a device run one after another: one staging buffer serves them
+            if staging is None or where != device:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=where)
             else:
-                buffer = staging(need)
+                buffer = staging(nbytes)
             for gather in self._gathers:
-                gather.bind(buffer)
+                if gather.device == where:
+                    gather.bind(buffer)
         self._device = device
         self._want_graph = graph and device is not None and device.type == "cuda"
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -299,7 +307,7 @@ class CopyProgram:
     def close(self) -> None:
         self._graph = None
         self._solo, self._batches, self._gathers, self._units = [], [], [], []
-        self._owners = ([], [])
+        self._owners = []
 
 
 def balance(sizes: list[int], branches: int) -> list[int]:
@@ -397,14 +405,15 @@ def _kind(layout: tuple[Any, ...]) -> _Kind:
 
 
 def _plan_copies(
-    dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], owners: list[torch.UntypedStorage]
 ) -> tuple[
     list[tuple[torch.Tensor, torch.Tensor]],
     list[tuple[list[torch.Tensor], list[torch.Tensor]]],
     list[RowGather],
     torch.device | None,
 ]:
-    """``CopyProgram``'s plan: (solo pairs, batches per dtype, gathers, device).
+    """``CopyProgram``'s plan: (solo pairs, batches per dtype, gathers, device); the storages
+    of the gathered pairs are added to ``owners``.
 
     100,000 pairs are planned in well under a second: each pair's layout is read once, what
     follows from a layout is worked out once per layout (``_kind``), rows are addressed with
@@ -420,7 +429,7 @@ def _plan_copies(
 
     def batch(i: int, kind: _Kind) -> None:
         dst, src = dsts[i], srcs[i]
-        if kind.gather:  # flat, one dtype: seen as the widest integers it allows
+        if kind.widths:  # flat, one dtype: seen as the widest integers it allows
             dst, src = _widest_bytes(dst, src, kind.nbytes)
         lists = batches.setdefault(dst.dtype, ([], []))
         lists[0].append(dst)
@@ -481,6 +490,9 @@ def _plan_copies(
                 gather = RowGather.plan(dst_rows, src_rows, size, row, dev)
             if gather is not None:
                 gathers.append(gather)
+                for p in part:
+                    i = members[p][0]
+                    owners += (dsts[i].untyped_storage(), srcs[i].untyped_storage())
                 continue
             for p in part:
                 i, kind = members[p][0], members[p][1]
@@ -629,6 +641,10 @@ class RowGather:
         )
         self._staging: torch.Tensor | None = None
         self._staged: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self._window.device
 
     @property
     def kernels(self) -> int:

@@ -292,7 +292,7 @@ class _Pair:
     views: dict[int, Any] = field(default_factory=dict)  # chunk index -> its pack plan / views
     # READ path, steady state (``_Replay``): what the last complete sync did for this pair
     replay: _Replay | None = None
-    staging: torch.Tensor | None = None  # push path: the pair's programs' gathers stage here
+    staging: torch.Tensor | None = None  # the pair's pack programs' gathers stage here
     failed: threading.Event = field(default_factory=threading.Event)  # push: this sync's
     error: Exception | None = None  # push: why this pair failed this sync
     receipt: torch.Tensor | None = None  # push: the consumer's receipt of a sync lands here
@@ -1418,7 +1418,7 @@ class _PackPlan:
     # (srcs, exposed name, byte offset, strides or None): the chunk is read in place
     inplace: tuple[list[torch.Tensor], str, int, tuple[int, ...] | None] | None = None
     copies: bool = False  # a prefix chain copies: ``srcs`` are fresh every sync
-    # push path: (dsts, srcs, the program that copies one into the other), while both stay
+    # (dsts, srcs, the program that packs one into the other), while both stay
     program: tuple[list[torch.Tensor], list[torch.Tensor], CopyProgram] | None = None
     mapping: Mapping[str, torch.Tensor] | None = None  # the group ``srcs`` were taken from
 
