@@ -478,9 +478,8 @@ def _plan_copies(
             rows.setdefault((layout[6], kind.flat, size, row), []).append((i, kind, d, s))
     gathers: list[RowGather] = []
     for (dev, flat, size, row), members in rows.items():
-        count = [m[1].rows for m in members]
         addresses = _pair_rows(members)
-        counts = torch.tensor(count, dtype=torch.int64)
+        counts = torch.tensor([m[1].rows for m in members], dtype=torch.int64)
         first = torch.cumsum(counts, 0) - counts
         limit = GATHER_STAGING_BYTES // (size * row)
         for part in _runs(members, limit):
@@ -572,12 +571,11 @@ def _runs(members: list[_Member], limit: int) -> list[list[int]]:
         if not runs:
             return _parts(everything, count, limit)  # one block on this side already
         runs.append((first, len(members), nbytes))
-        long = [
-            range(a, b) for a, b, n in runs if b - a >= GATHER_MIN_PAIRS and n >= GATHER_RUN_BYTES
-        ]
-        covered = sum(n for a, b, n in runs if b - a >= GATHER_MIN_PAIRS and n >= GATHER_RUN_BYTES)
+        long = [run for run in runs if run[1] - run[0] >= GATHER_MIN_PAIRS]
+        long = [run for run in long if run[2] >= GATHER_RUN_BYTES]
+        covered = sum(n for _, _, n in long)
         if covered > best[0]:
-            best = (covered, long)
+            best = (covered, [range(a, b) for a, b, _ in long])
     if not best[1]:
         return _parts(everything, count, limit)
     taken = [False] * len(members)
