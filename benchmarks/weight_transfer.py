@@ -13,7 +13,9 @@ From the third sync on, the model's tensors being where they were, each sync is 
 the last (one message per consumer; the engine's "Steady state"); ``--no-replay`` measures the
 chunk-by-chunk path instead, which a trainer that moves its storage every step would get;
 ``--in-place`` has the source vouch for in-place writes (``StateDictSource(in_place=True)``),
-so the steady-state check compares no tensor.
+so the steady-state check compares no tensor; ``--flat`` keeps the producer's weights in one
+flat buffer, as Megatron's parameter buffers do (with strided reads, consumers then read small
+weights in place too: nothing is packed).
 A many-tensors case (``--many``: 100,000 small expert tensors, like a large MoE) measures
 set-up (bake + plan) time and per-sync overhead with many names.
 
@@ -49,6 +51,7 @@ from vllm_dist.tasks.weight_transfer import (  # noqa: E402
     WeightSource,
     WeightTransferTask,
 )
+from vllm_dist.tasks.weight_transfer.demo import allocate  # noqa: E402
 from vllm_dist.tasks.weight_transfer.tp import (  # noqa: E402
     column_parallel,
     expected_params,
@@ -144,10 +147,10 @@ class BenchTask(WeightTransferTask):
         num_producers: int,
         shapes: Any = None,
         in_place: bool = False,
+        flat: bool = False,
         **_: Any,
     ) -> WeightSource:
-        dev = self.device
-        self._state = {n: torch.zeros(s, dtype=d, device=dev) for n, (s, d) in shapes.items()}
+        self._state = allocate(shapes, self.device, flat=flat)
         return StateDictSource(self._state, in_place=in_place)
 
     def before_producer_sync(
@@ -294,6 +297,7 @@ def run_case(
         shapes=shapes,
         moe=moe,
         in_place=args.in_place,
+        flat=args.flat,
         transposed_down=args.layout == "transposed",
         verify=not args.no_verify,
         dump_after=args.dump_after,
@@ -321,6 +325,7 @@ def run_case(
         "replay": not args.no_replay,
         "mapped_unpack": not args.no_mapped_unpack,
         "in_place": args.in_place,
+        "flat": args.flat,
         "sync_all_s": per_sync,
         "gb_s": moved / sync_s / 1e9,
         "raw_s": raw_s,
@@ -411,6 +416,12 @@ def main() -> None:
         "--in-place",
         action="store_true",
         help="StateDictSource(in_place=True): the steady-state check compares no tensor",
+    )
+    ap.add_argument(
+        "--flat",
+        action="store_true",
+        help="the producer keeps its weights in one flat buffer (Megatron's parameter buffers): "
+        "with strided reads, small weights are read in place too",
     )
     ap.add_argument(
         "--trace", action="store_true", help="record the last sync's event timeline per rank"

@@ -1322,6 +1322,48 @@ def test_read_path_mapped_unpack_one_gpu(shapes: dict[str, Any]) -> None:
         assert syncs == [0, 0, 0, 0], runs
 
 
+def _flat_experts(shapes: dict[str, Any], device: str, strided: bool | None) -> list[Any]:
+    """One producer whose weights, 48 small experts a layer among them, are views of one flat
+    buffer; two TP-2 consumers; four syncs, byte-exact."""
+    results = _launch(
+        3,
+        timeout=240,
+        comm=CommunicatorType.NIXL_RDT,
+        device=device,
+        num_producers=1,
+        num_consumers=2,
+        syncs=4,
+        shapes=_with_experts(shapes, 48),
+        flat=True,
+        config=replace(_STEADY, strided_reads=strided),
+    )
+    _assert_verified(results, 4)
+    assert [r["role"] for r in results] == ["producer", "consumer", "consumer"]
+    assert _replayed(results) == [[False, False, True, True]] * 3
+    return [[s["packed"] for s in r["syncs"]] for r in results]
+
+
+@distributed_test(timeout=150)
+def test_read_path_flat_buffer_through_nixl_is_packed_cpu(shapes: dict[str, Any]) -> None:
+    """A trainer that keeps its weights in one flat buffer, strided reads through NIXL (no
+    mapping of the producer's memory): small experts are still packed, every sync — read in
+    place they would cost a descriptor per 16-byte row — and unpacked; bytes are exact."""
+    _needs_nixl()
+    producer, *consumers = _flat_experts(shapes, "cpu", True)
+    assert all(n > 0 for n in producer), producer
+    assert all(all(n > 0 for n in packed) for packed in consumers), consumers
+
+
+@distributed_test(gpus=1, timeout=400)
+def test_read_path_flat_buffer_is_read_in_place_one_gpu(shapes: dict[str, Any]) -> None:
+    """The same on one GPU (CUDA IPC): from the second sync on, each item is one copy from the
+    trainer's flat buffer into the consumer's parameter; nothing is packed or unpacked."""
+    _needs_nixl()
+    producer, *consumers = _flat_experts(shapes, "cuda", None)
+    assert producer[0] > 0 and producer[1:] == [0, 0, 0], producer
+    assert consumers == [[0, 0, 0, 0]] * 2, consumers
+
+
 # -- the steady state: whole syncs replayed -----------------------------------------------------
 
 

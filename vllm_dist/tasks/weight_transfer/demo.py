@@ -8,6 +8,7 @@ CLI wires it as ``vllm-dist run weight-transfer``.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -35,7 +36,8 @@ class LlamaTransferTask(WeightTransferTask):
     Task keywords: ``shapes`` (HF name -> (shape, dtype), see ``llama_shapes``; computed in the
     parent so workers need not import transformers), ``model_config`` (LlamaConfig overrides;
     with ``hf_module=True`` producers build the real ``LlamaForCausalLM``), ``seed``,
-    ``tp_size``, ``stages``, ``verify``.
+    ``tp_size``, ``stages``, ``flat`` (producers keep the weights in one flat buffer:
+    ``allocate``), ``verify``.
     """
 
     def make_source(
@@ -47,6 +49,7 @@ class LlamaTransferTask(WeightTransferTask):
         hf_module: bool = False,
         seed: int = 0,
         stages: bool = False,
+        flat: bool = False,
         **_: Any,
     ) -> WeightSource:
         state: torch.nn.Module | dict[str, torch.Tensor]
@@ -55,7 +58,7 @@ class LlamaTransferTask(WeightTransferTask):
             state.to(self.device)
             self._state = state.state_dict()
         else:
-            state = self._state = allocate(shapes or {}, self.device)
+            state = self._state = allocate(shapes or {}, self.device, flat=flat)
         names = list(self._state)
         held = stage_names(names, num_producers, producer_idx) if stages else None
         return StateDictSource(state, held=held)
@@ -93,10 +96,22 @@ class LlamaTransferTask(WeightTransferTask):
         return {"verified": not bad, "mismatched": bad[:5], "params": len(spec.params)}
 
 
-def allocate(shapes: Shapes, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Zero tensors for ``shapes`` (HF name -> (shape, dtype)) on ``device``."""
+def allocate(
+    shapes: Shapes, device: torch.device | str = "cpu", *, flat: bool = False
+) -> dict[str, torch.Tensor]:
+    """Zero tensors for ``shapes`` (HF name -> (shape, dtype)) on ``device``. ``flat``: views of
+    one buffer, each at a 256-byte boundary, as a trainer that keeps its parameters in one flat
+    buffer holds them (Megatron's parameter buffers, flat FSDP parameters)."""
+    if not flat:
+        return {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in shapes.items()}
+    starts, end = [], 0
+    for shape, dtype in shapes.values():
+        starts.append(end)
+        end += -(-math.prod(shape) * dtype.itemsize // 256) * 256
+    buffer = torch.zeros(end, dtype=torch.uint8, device=device)
     return {
-        n: torch.zeros(shape, dtype=dtype, device=device) for n, (shape, dtype) in shapes.items()
+        n: buffer[a : a + math.prod(s) * d.itemsize].view(d).view(s)
+        for a, (n, (s, d)) in zip(starts, shapes.items(), strict=True)
     }
 
 

@@ -73,6 +73,7 @@ from vllm_dist.implementations.communicators.common import CopyProgram, batched_
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.onesided import (
+    SPREAD,
     OneSidedCommunicator,
     StridedReadCommunicator,
     alive_message,
@@ -278,6 +279,7 @@ class _Pair:
     remote_name: str = ""  # READ path: the producer's exposed ring for this pair
     told: set[str] = field(default_factory=set)  # READ: exposed sources this consumer knows
     strided: bool = False  # READ: the consumer reads strided source views in place
+    maps: bool = False  # READ: ... on a mapping of the producer's memory (``maps_peer_memory``)
     last_seq: int = -1  # consumer side: the seq of the pair's last chunk (set at set-up)
     outbox: list[Any] = field(default_factory=list)  # READ: announcements not yet sent
     outbox_bytes: int = 0  # READ: bytes of the chunks queued since the last announcement
@@ -599,7 +601,7 @@ class WeightProducer(_Engine):
     def _accept(
         self, cid: int, crank: int, index: ModelIndex, plan_msg: Any, reserve_msg: Any
     ) -> None:
-        verb, sender, payload, path, strided = plan_msg
+        verb, sender, payload, path, strided, maps = plan_msg
         if verb != "plan" or sender != cid:
             raise RuntimeError(f"expected a plan from consumer {cid}, got {verb!r} from {sender}")
         if isinstance(payload, str):  # the consumer failed its own set-up
@@ -630,6 +632,7 @@ class WeightProducer(_Engine):
         slot = slot_bytes(chunks, self.producer_id, self.layout.align)
         pair = _Pair(peer_rank=crank, chunks=chunks, requests=[], slot_bytes=slot, names=names)
         pair.strided = self._read and strided is True
+        pair.maps = pair.strided and maps is True
         items = _item_table([Request("", *k) for k in kinds])
         prefixes = _shared_splits([Request("", *k) for k in kinds], 0)
         id_list = ids.tolist()
@@ -1057,29 +1060,53 @@ class WeightProducer(_Engine):
 
     def _exposed_source(
         self, pair: _Pair, chunk: Chunk, tensors: Mapping[str, torch.Tensor]
-    ) -> tuple[str, int, Any, tuple[int, ...] | None] | None:
-        """(buffer name, byte offset, descriptor if new, strides) of a one-item chunk read in
-        place; strides are None for a contiguous view, else the view's (strided reads).
+    ) -> tuple[str, int, Any, Any] | None:
+        """(buffer name, byte offset, descriptor if new, strides) of a chunk read in place.
 
-        Only a view of the source's own storage (not a copy the chain made) whose storage was
-        already there last sync is exposed (a trainer that gathers into fresh memory every sync
+        A one-item chunk: strides are None for a contiguous view, else the view's (strided
+        reads). A chunk of several items, for a consumer that reads strided views on a mapping of
+        this rank's memory, whose items are all views of one storage (a trainer's flat parameter buffer): the offset is
+        ``SPREAD`` and the strides are ``(byte offset, strides)`` per item, so the consumer
+        copies each item straight from the trainer's buffer and nothing is packed.
+
+        Only views of the source's own storage (not copies the chain made) whose storage was
+        already there last sync are exposed (a trainer that gathers into fresh memory every sync
         gets packed copies instead of an ever-growing set of registrations); it stays exposed
         until ``close``.
         """
-        if len(chunk.items) != 1:
-            return None
+        single = len(chunk.items) == 1
+        if not (single or pair.maps):
+            return None  # through NIXL, a descriptor per row of a small weight: packed
         srcs = self._sources(pair, chunk, tensors)
         plan = pair.views[chunk.index]
         if plan.inplace is not None and plan.inplace[0] is srcs:
             return plan.inplace[1], plan.inplace[2], None, plan.inplace[3]  # as last sync
-        view = srcs[0]
-        contiguous = view.is_contiguous()
-        if plan.copies or not (contiguous or pair.strided):
+        if plan.copies:
             return None
-        strides = None if contiguous else tuple(view.stride())
+        if single:
+            view = srcs[0]
+            contiguous = view.is_contiguous()
+            if not (contiguous or pair.strided):
+                return None
+            strides: Any = None if contiguous else tuple(view.stride())
+        else:
+            base = srcs[0].untyped_storage().data_ptr()
+            if any(s.untyped_storage().data_ptr() != base for s in srcs):
+                return None  # several storages: packed
+            strides = tuple((s.data_ptr() - base, tuple(s.stride())) for s in srcs)
+        known = self._exposed_storage(pair, srcs[0])
+        if known is None:
+            return None
+        name, desc = known
+        offset = srcs[0].data_ptr() - srcs[0].untyped_storage().data_ptr() if single else SPREAD
+        plan.inplace = (srcs, name, offset, strides)
+        return name, offset, desc, strides
+
+    def _exposed_storage(self, pair: _Pair, view: torch.Tensor) -> tuple[str, Any] | None:
+        """(exposed name, descriptor the first time this consumer hears of it, else None) of
+        ``view``'s storage, exposing it if it was there last sync; None if it is new."""
         storage = view.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
-        offset = view.data_ptr() - key[0]
         known = self._source_names.get(key)
         if known is None:
             if key not in self._seen_sources[0]:
@@ -1094,11 +1121,10 @@ class WeightProducer(_Engine):
             self._exposed.append(name)
             known = self._source_names[key] = (name, desc)
         name, desc = known
-        plan.inplace = (srcs, name, offset, strides)
         if name in pair.told:
-            return name, offset, None, strides
+            return name, None
         pair.told.add(name)  # this consumer imports the descriptor once
-        return name, offset, desc, strides
+        return name, desc
 
     def _take_done(self, cid: int, pair: _Pair, barrier: FreeBarrier, *, block: bool) -> bool:
         """Consume one 'done up to seq' from consumer ``cid`` (waiting for it when ``block``)."""
@@ -1415,8 +1441,9 @@ class _PackPlan:
     objs: list[torch.Tensor] | None = None  # the source tensors ``srcs`` were built from
     srcs: list[torch.Tensor] | None = None
     ptrs: list[int] = field(default_factory=list)  # data pointers of ``objs``
-    # (srcs, exposed name, byte offset, strides or None): the chunk is read in place
-    inplace: tuple[list[torch.Tensor], str, int, tuple[int, ...] | None] | None = None
+    # (srcs, exposed name, byte offset, strides): the chunk is read in place
+    # (``_exposed_source``)
+    inplace: tuple[list[torch.Tensor], str, int, Any] | None = None
     copies: bool = False  # a prefix chain copies: ``srcs`` are fresh every sync
     # (dsts, srcs, the program that packs one into the other), while both stay
     program: tuple[list[torch.Tensor], list[torch.Tensor], CopyProgram] | None = None
@@ -1642,12 +1669,14 @@ class WeightConsumer(_Engine):
             want is True or (want is None and bool(communicator.maps_peer_memory))  # type: ignore[attr-defined]
         )
         self.layout = _pair_layout(self.layout, self._strided)
+        # strided reads on a mapping of the producers' memory (a strided view costs its bytes)
+        self._maps = self._strided and bool(communicator.maps_peer_memory)  # type: ignore[attr-defined]
         self._map_packs = self._strided and self.config.mapped_unpack
         # chunk index -> ((source, offset, strides) it was last read from, how): see ``_route``
         self._routes: dict[int, tuple[Any, tuple[str, int, Any, torch.Tensor, bool]]] = {}
-        # packed chunk index -> ((ring, offset) it was announced at, its items' strided reads
-        # from there into the parameters or None, those reads prepared): see ``_gather``
-        self._gathers: dict[int, tuple[tuple[str, int], list[Any] | None, Any]] = {}
+        # chunk index -> (where it was announced, its items' strided reads from there or None,
+        # those reads prepared, whether they land in staging): see ``_gather``
+        self._gathers: dict[int, tuple[Any, list[Any] | None, Any, bool]] = {}
         # READ path, this sync: the record being made per producer, the replays whose reads
         # are in flight (producer -> handles), the producers whose message was a replay
         self._recording: dict[int, _Replay] = {}
@@ -1864,7 +1893,7 @@ class WeightConsumer(_Engine):
                     self.consumer_id, p, self.chunks, payload, router, self.layout
                 )
             self.coordinator.send_object(
-                ("plan", self.consumer_id, payload, self.path, self._strided), prank
+                ("plan", self.consumer_id, payload, self.path, self._strided, self._maps), prank
             )
             reserve[p] = slot_bytes(self.chunks, p, self.layout.align) * self.layout.ring_slots
         router.reserve_serve_buffers(reserve, digests)
@@ -2285,7 +2314,7 @@ class WeightConsumer(_Engine):
     def _staged(self, j: int, ann: Any) -> bool:
         """Whether chunk ``j``, announced as ``ann``, lands in its staging slot (then unpacks)."""
         if self._gather(j, ann) is not None:
-            return False
+            return self._gathers[j][3]
         route = self._route(j, ann)
         return self._direct[j] is None if route is None else not route[4]
 
@@ -2340,41 +2369,61 @@ class WeightConsumer(_Engine):
         return delta * dest.element_size(), strides
 
     def _gather(self, j: int, ann: Any) -> list[tuple[str, int, Any, torch.Tensor]] | None:
-        """The strided reads that take packed chunk ``j``, announced as ``ann``, item by item
-        from the producer's ring slot straight into the parameters (``mapped_unpack``): where
-        this consumer maps that ring and every item's re-layout is a view of its wire bytes
-        with the parameter's shape and dtype. None: the chunk is read, then unpacked.
+        """The strided reads that take chunk ``j``, announced as ``ann``, item by item: from
+        the producer's ring slot straight into the parameters (a packed chunk,
+        ``mapped_unpack``: where this consumer maps that ring and every item's re-layout is a
+        view of its wire bytes with the parameter's shape and dtype), or from the trainer's
+        flat buffer (a chunk read in place item by item, ``SPREAD``: into the parameters
+        likewise, else into the staging slot as wire bytes, unpacked from there). None: the
+        chunk is one read (then unpacked where it is staged).
 
-        Built (and prepared as one set of reads) once per slot the chunk is announced at."""
-        if ann[4] is not None or not self._map_packs or self._direct[j] is not None:
+        Built (and prepared as one set of reads) once per place the chunk is announced at."""
+        spread = ann[2] == SPREAD
+        if not spread and (
+            ann[4] is not None or not self._map_packs or self._direct[j] is not None
+        ):
             return None  # read in place, or contiguous bytes read straight into the parameter
         pair = self._pairs[self.chunks[j].producer]
-        key = (pair.remote_name, ann[2])
+        key = (ann[4], ann[6]) if spread else (pair.remote_name, ann[2])
         hit = self._gathers.get(j)
         if hit is not None and hit[0] == key:
             return hit[1]
         if hit is not None:  # dropped before it is closed: a failed rebuild leaves nothing
             del self._gathers[j]
             _close(hit[2])
+        chunk = self.chunks[j]
+        if spread:
+            source, items = key
+        else:
+            source = key[0]
+            items = [
+                (key[1] + off, _contiguous_strides(self._items[i][1]))
+                for i, off in zip(chunk.items, chunk.offsets, strict=True)
+            ]
         routes: list[Any] | None = None
-        if self.communicator.maps_exposed(pair.peer_rank, pair.remote_name):  # type: ignore[attr-defined]
+        if self.communicator.maps_exposed(pair.peer_rank, source):  # type: ignore[attr-defined]
             routes = []
-            chunk = self.chunks[j]
-            for i, off in zip(chunk.items, chunk.offsets, strict=True):
-                view = self._param_view(i, _contiguous_strides(self._items[i][1]))
+            for i, (off, strides) in zip(chunk.items, items, strict=True):
+                view = self._param_view(i, strides)
                 if view is None:
                     routes = None  # a loader that copies or casts: unpacked from staging
                     break
-                routes.append((key[0], key[1] + off + view[0], view[1], self._dests[i]))
+                routes.append((source, off + view[0], view[1], self._dests[i]))
+        staged = routes is None and spread
+        if staged:  # the wire bytes into the staging slot, each item at its packed place
+            wires = slot_views(
+                self._target(j), [self._items[i] for i in chunk.items], chunk.offsets
+            )
+            routes = [(source, off, st, w) for (off, st), w in zip(items, wires, strict=True)]
         prepared = None
         if routes is not None:
             prepared = self._prepare_reads(pair.peer_rank, _Replay(strided=routes))
-        self._gathers[j] = (key, routes, prepared)
+        self._gathers[j] = (key, routes, prepared, staged)
         return routes
 
     def close(self) -> None:
         gathers, self._gathers = self._gathers, {}
-        for _key, _routes, prepared in gathers.values():
+        for _key, _routes, prepared, _staged in gathers.values():
             _close(prepared)
         super().close()
 

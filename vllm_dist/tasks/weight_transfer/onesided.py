@@ -14,10 +14,14 @@ CUDA IPC on one node) asks for them at set-up. Its producers then announce non-c
 (the row-parallel slice of a weight) in place too, with their strides, and the consumer copies
 each straight from the producer's weight into its parameter — through its own re-layout
 (a transpose) where that is a view — with one copy kernel: no pack on the producer, no staging
-and no unpack on the consumer, a third of the memory traffic of pack, read and unpack. What is
-still packed (small weights, expert shards) the consumer copies item by item from the
-producer's ring slot on the same mapping straight into its parameters (``mapped_unpack``):
-pack and one copy, where read and unpack were two. Announcements are batched until the
+and no unpack on the consumer, a third of the memory traffic of pack, read and unpack. Small
+weights (expert shards) that a trainer keeps in one flat buffer (Megatron's parameter buffers,
+flat FSDP parameters) are read in place too where the consumer maps the producer's memory, a
+chunk of them at a time: the announcement gives each item's offset and strides in the buffer
+(``SPREAD``); through NIXL (a descriptor per row) they are packed. What is still packed (small weights
+in storages of their own) the consumer copies item by item from the producer's ring slot on the
+same mapping straight into its parameters (``mapped_unpack``): pack and one copy, where read
+and unpack were two. Announcements are batched until the
 next group, the next wait, or ``_ANNOUNCE_BYTES`` of queued chunks, and one device
 synchronization covers every pack behind them, so a layer costs one message, not one per weight.
 
@@ -130,12 +134,17 @@ _DONE = struct.Struct("<cqq")  # b"D", sync, seq: every chunk of the pair up to 
 _REPLAY = struct.Struct("<cq")  # b"P", sync: every chunk is where the previous sync had it
 _ALIVE = struct.Struct("<cq")  # b"A", sync: busy reading other producers (``alive_message``)
 
-Announcement = tuple[int, int, int, int, "str | None", Any, "tuple[int, ...] | None"]
+Announcement = tuple[int, int, int, int, "str | None", Any, Any]
 """(sync, seq, offset, nbytes, source, descriptor, strides): chunk ``seq`` is ready at byte
 ``offset`` of the pair's ring (``source`` None) or of the exposed buffer ``source``, whose
 descriptor travels along the first time (else None). ``strides``: None for packed bytes, else
 the element strides of the producer's view there (a one-item chunk read in place, strided where
-the consumer asked for strided reads)."""
+the consumer asked for strided reads). A chunk of several items read in place (the consumer
+maps the producer's memory and every item lies in one storage, a trainer's flat buffer) has
+offset ``SPREAD`` and, as strides, ``(byte offset, element strides)`` per item."""
+
+SPREAD = -1
+"""The offset of an announced chunk whose items are read in place one by one (``Announcement``)."""
 
 
 def ring_name(producer_id: int, consumer_id: int) -> str:
