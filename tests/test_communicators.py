@@ -159,6 +159,74 @@ def test_copy_program_cuda_graph() -> None:
     _copy_program_case("cuda")
 
 
+def _merged_program_case(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_dist.implementations.communicators import common
+    from vllm_dist.implementations.communicators.common import SOLO_COPY_BYTES, CopyProgram
+
+    gen = torch.Generator().manual_seed(5)
+    experts = torch.randint(-100, 100, (60, 32, 64), dtype=torch.int16, generator=gen)
+    experts = experts.to(device)
+    big = torch.randint(-100, 100, (SOLO_COPY_BYTES // 2 + 64,), dtype=torch.int16, generator=gen)
+    big = big.to(device)
+    floats = torch.randn(7, 33, generator=gen).to(device)
+    scattered = torch.zeros(60, 32, 64, dtype=torch.int16, device=device)
+    slot = torch.zeros(60, 32, 16, dtype=torch.int16, device=device)
+    staging: list[torch.Tensor] = []
+
+    def stage(nbytes: int) -> torch.Tensor:  # one buffer that grows, as a pair's does
+        if not staging or staging[0].numel() < nbytes:
+            staging[:] = [torch.empty(nbytes, dtype=torch.uint8, device=device)]
+        return staging[0]
+
+    parts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    for k in range(3):  # three chunks' programs, each with every kind of copy
+        e = range(20 * k, 20 * k + 20)
+        dsts = [slot[i] for i in e] + [scattered[i, :, 16:48] for i in e]
+        srcs = [experts[i, :, 48:] for i in e] + [experts[i, :, :32] for i in e]
+        dsts += [
+            torch.zeros(33, device=device),
+            torch.zeros(5, 64, dtype=torch.int16, device=device),
+        ]
+        srcs += [floats[k], experts[k, :5]]
+        if k == 1:
+            dsts.append(torch.zeros_like(big))
+            srcs.append(big)  # a copy of its own
+        parts.append((dsts, srcs))
+    programs = [CopyProgram(d, s, graph=False, staging=stage) for d, s in parts]
+    assert all(sorted(bool(g.staging_bytes) for g in p._gathers) == [False, True] for p in programs)
+
+    def no_plan(*_: object) -> None:
+        raise AssertionError("merged programs plan nothing")
+
+    monkeypatch.setattr(common, "_plan_copies", no_plan)
+    merged = CopyProgram.merged(programs)
+    assert (
+        len(merged._gathers) == 6 and len(merged._batches) == 2
+    )  # contiguous pairs seen as int64 and int32
+    for step in range(3):
+        for t in (experts, big, floats):
+            t.add_(step + 1)
+        merged.run()
+        for dsts, srcs in parts:
+            for d, s in zip(dsts, srcs, strict=True):
+                assert torch.equal(d.cpu(), s.cpu()), (step, s.shape)
+    assert merged.graphed is (device != "cpu") and merged.graph_error is None
+    programs[0].run()  # the chunks' own programs still work (not at the same time)
+    merged.close()
+
+
+def test_copy_program_merged_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CopyProgram.merged``: the copies of several programs (gathers that stage sharing a
+    pair's buffer, batches of two dtypes, a copy of its own) in one, planning nothing."""
+    _merged_program_case("cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
+def test_copy_program_merged_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    _merged_program_case("cuda", monkeypatch)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
 def test_copy_program_graph_branches() -> None:

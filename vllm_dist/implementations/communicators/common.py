@@ -9,7 +9,7 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -187,7 +187,44 @@ class CopyProgram:
         # by its owner (``t.data = ...``) leaves stale bytes behind, not freed memory
         self._owners: list[torch.UntypedStorage] = []
         self._solo, self._batches, self._gathers, device = _plan_copies(dsts, srcs, self._owners)
+        self._bind(staging, device)
+        self._start(device, graph)
+
+    @classmethod
+    def merged(cls, programs: Sequence[CopyProgram], *, graph: bool = True) -> CopyProgram:
+        """One program that does what ``programs`` do, planned by none: their copies, batches
+        and gathers (still bound to their staging buffers; every gather that stages runs one
+        after another, as in each of them) put together, batches of one dtype joined. What a
+        fresh plan of all their pairs would be, give or take a gather per program where runs
+        of rows meet at a program's edge, at no planning cost: a sync replayed as a whole
+        takes the programs its chunks were packed with. They must not be used at the same
+        time as the merged one."""
+        self = cls.__new__(cls)
+        self._owners = [o for p in programs for o in p._owners]
+        self._solo = [pair for p in programs for pair in p._solo]
+        self._gathers = [g for p in programs for g in p._gathers]
+        batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for p in programs:
+            for dsts, srcs in p._batches:
+                lists = batches.setdefault(dsts[0].dtype, ([], []))
+                lists[0].extend(dsts)
+                lists[1].extend(srcs)
+        self._batches = list(batches.values())
+        devices = [p._device for p in programs if p._device is not None]
+        self._start(devices[0] if devices else None, graph)
+        return self
+
+    def _start(self, device: torch.device | None, graph: bool) -> None:
         self._units = self._plan_units()
+        self._device = device
+        self._want_graph = graph and device is not None and device.type == "cuda"
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self.graph_error: str | None = None  # why recording a graph failed, if it did
+
+    def _bind(
+        self, staging: Callable[[int], torch.Tensor] | None, device: torch.device | None
+    ) -> None:
+        """Give the gathers that stage a buffer per device (``staging``'s on ``device``)."""
         need: dict[torch.device, int] = {}
         for g in self._gathers:
             need[g.device] = max(need.get(g.device, 0), g.staging_bytes)
@@ -202,10 +239,6 @@ class CopyProgram:
             for gather in self._gathers:
                 if gather.device == where:
                     gather.bind(buffer)
-        self._device = device
-        self._want_graph = graph and device is not None and device.type == "cuda"
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self.graph_error: str | None = None  # why recording a graph failed, if it did
 
     @property
     def graphed(self) -> bool:

@@ -319,9 +319,10 @@ class _Pair:
 class _Replay:
     """One pair's last sync, kept so that the next can run as a whole (``replay_message``).
 
-    Producer: the packs it made (``dsts``, ``srcs``), run as one ``CopyProgram`` from the first
-    replay on; consumer: the reads it posted (``plain``, ``strided``) and the unpacks behind
-    them, prepared at the first replay (a prepared set of reads, a ``CopyProgram``).
+    Producer: the programs of the packs it made, merged into one ``CopyProgram`` at the first
+    replay (``CopyProgram.merged``: nothing planned again); consumer: the reads it posted
+    (``plain``, ``strided``) and the programs of the unpacks behind them, prepared at the first
+    replay (a prepared set of reads, the unpack programs merged into one).
     ``sync``: the sync it describes (and was last replayed), or -1 while it is being recorded
     or when that sync cannot be replayed (``ok`` false: a chain that copies, a source seen for
     the first time, a staging slot used twice; more packs than ring slots).
@@ -331,8 +332,7 @@ class _Replay:
     last_seq: int = -1
     packs: int = 0  # chunks packed (producer) or unpacked (consumer)
     ok: bool = True
-    dsts: list[torch.Tensor] = field(default_factory=list)
-    srcs: list[torch.Tensor] = field(default_factory=list)
+    programs: list[CopyProgram] = field(default_factory=list)  # the packs / unpacks it ran
     plain: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
     strided: list[tuple[str, int, Any, torch.Tensor]] = field(default_factory=list)
     prepared: Any = None  # producer: a CopyProgram of the packs; consumer: the prepared reads
@@ -882,14 +882,14 @@ class WeightProducer(_Engine):
         return True
 
     def _replay_packs(self) -> bool:
-        """Launch every pair's recorded packs (a ``CopyProgram`` each: one CUDA graph on a
-        GPU); whether there were any."""
+        """Launch every pair's recorded packs (the programs of its chunks merged into one:
+        one CUDA graph on a GPU); whether there were any."""
         packed = False
         for pair in self._pairs.values():
             rec = pair.replay
-            if rec is not None and rec.dsts:
+            if rec is not None and rec.programs:
                 if rec.prepared is None:
-                    rec.prepared = CopyProgram(rec.dsts, rec.srcs)
+                    rec.prepared = CopyProgram.merged(rec.programs)
                 rec.prepared.run()
                 packed = True
         return packed
@@ -1318,9 +1318,9 @@ class WeightProducer(_Engine):
         self._packed += 1
         dsts, srcs = self._pack_views(slot, pair, chunk, tensors)
         self._packs.append(self._program(pair, chunk, dsts, srcs))
-        if pair.replay is not None:
-            pair.replay.dsts.extend(dsts)
-            pair.replay.srcs.extend(srcs)
+        program = pair.views[chunk.index].program
+        if pair.replay is not None and program is not None:  # none: a chain that copies
+            pair.replay.programs.append(program[2])
 
     def _sender(
         self,
@@ -1653,7 +1653,7 @@ class WeightConsumer(_Engine):
         self.requests: list[Request] = []
         self._dests: list[torch.Tensor] = []
         self._unpack_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._unpack_programs: dict[int, CopyProgram] = {}  # push path, by chunk index
+        self._unpack_programs: dict[int, CopyProgram] = {}  # by chunk index
         self._broken = ""  # push path: why a sync failed mid-transfer (no sync after it)
         self.bake_seconds = 0.0
         want = self.config.strided_reads
@@ -2180,9 +2180,9 @@ class WeightConsumer(_Engine):
             for handle in handles:
                 wait_read(handle, self.config.stall_timeout, what)
             self._mark("read done")
-            if rec.dsts:
+            if rec.programs:
                 if rec.unpack is None:
-                    rec.unpack = CopyProgram(rec.dsts, rec.srcs)
+                    rec.unpack = CopyProgram.merged(rec.programs)
                 rec.unpack.run()
                 self._packed += rec.packs
             self._tell_done(p, rec.last_seq)
@@ -2440,28 +2440,25 @@ class WeightConsumer(_Engine):
         for handle in handles:
             wait_read(handle, self.config.stall_timeout, what)
         self._mark("read done")
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
+        unpacked = 0
         for j in batch:
             chunk = self.chunks[j]
             finished[chunk.producer] = chunk.seq
             if self._staged(j, self._announced_as[j]):
                 self._packed += 1
-                views = self._unpack_plan(j)
-                dsts += views[0]
-                srcs += views[1]
+                program = self._unpack_program(j)
+                program.run()
+                unpacked += len(chunk.items)
                 slot = (chunk.producer, self._stage_slot[j])
                 staged.discard(slot)
                 rec = self._recording[chunk.producer]
-                rec.dsts += views[0]
-                rec.srcs += views[1]
+                rec.programs.append(program)
                 rec.packs += 1
                 # replayed, every unpack runs after every read: each needs a slot of its own
                 rec.ok = rec.ok and slot not in rec.slots
                 rec.slots.add(slot)
-        if dsts:
-            batched_copy(dsts, srcs)
-            self._mark(f"unpacked {len(dsts)}")
+        if unpacked:
+            self._mark(f"unpacked {unpacked}")
         if not flight or not all(h.done() for h in flight[0][1]):
             self._report(finished)  # nothing else is ready: let producers reuse their slots
 
@@ -2523,9 +2520,13 @@ class WeightConsumer(_Engine):
         return None
 
     def _unpacker(self, j: int) -> Callable[[], None]:
-        """What unpacks chunk ``j`` from its staging slot (push path): a ``CopyProgram``,
-        planned once (the slot and destinations never move); its gathers stage in the
-        producer pair's buffer (chunks of one producer are unpacked one after another)."""
+        """What unpacks chunk ``j`` from its staging slot (push path)."""
+        return self._unpack_program(j).run
+
+    def _unpack_program(self, j: int) -> CopyProgram:
+        """The ``CopyProgram`` that unpacks chunk ``j`` from its staging slot, planned once
+        (the slot and destinations never move); its gathers stage in the producer pair's
+        buffer (chunks of one producer are unpacked one after another)."""
         prog = self._unpack_programs.get(j)
         if prog is None:
             pair = self._pairs[self.chunks[j].producer]
@@ -2533,7 +2534,7 @@ class WeightConsumer(_Engine):
             prog = self._unpack_programs[j] = CopyProgram(
                 dsts, srcs, graph=False, staging=pair.stage
             )
-        return prog.run
+        return prog
 
     def _unpack_plan(
         self, j: int, slot: torch.Tensor | None = None
