@@ -1203,6 +1203,20 @@ def test_chains_that_copy_are_replayed_every_sync(shapes: dict[str, Any], comm: 
     _assert_verified(results, 3)
 
 
+def _one_to_two(device: str, **kw: Any) -> list[dict[str, Any]]:
+    """One producer and two TP-2 consumers over NIXL_RDT on ``device`` (every worker on
+    cuda:0 with one GPU)."""
+    return _launch(
+        3,
+        timeout=240,
+        comm=CommunicatorType.NIXL_RDT,
+        device=device,
+        num_producers=1,
+        num_consumers=2,
+        **kw,
+    )
+
+
 _STEADY = TransferConfig(workers_per_replica=2, direct_bytes=4096, ring_slots=64)
 
 
@@ -1214,13 +1228,8 @@ def _strided_vs_packed(shapes: dict[str, Any], device: str, strided: bool | None
             workers_per_replica=2, direct_bytes=4096, announce_bytes=1 << 40, ring_slots=64,
             strided_reads=mode,
         )  # fmt: skip
-        results = _launch(
-            3,
-            timeout=240,
-            comm=CommunicatorType.NIXL_RDT,
-            device=device,
-            num_producers=1,
-            num_consumers=2,
+        results = _one_to_two(
+            device,
             syncs=3,
             shapes=shapes,
             config=config,
@@ -1302,13 +1311,8 @@ def test_read_path_mapped_unpack_one_gpu(shapes: dict[str, Any]) -> None:
     _needs_nixl()
     runs = {}
     for mapped in (False, True):
-        results = _launch(
-            3,
-            timeout=240,
-            comm=CommunicatorType.NIXL_RDT,
-            device="cuda",
-            num_producers=1,
-            num_consumers=2,
+        results = _one_to_two(
+            "cuda",
             syncs=4,
             shapes=shapes,
             config=replace(_STEADY, mapped_unpack=mapped),
@@ -1325,13 +1329,8 @@ def test_read_path_mapped_unpack_one_gpu(shapes: dict[str, Any]) -> None:
 def _flat_experts(shapes: dict[str, Any], device: str, strided: bool | None) -> list[Any]:
     """One producer whose weights, 48 small experts a layer among them, are views of one flat
     buffer; two TP-2 consumers; four syncs, byte-exact."""
-    results = _launch(
-        3,
-        timeout=240,
-        comm=CommunicatorType.NIXL_RDT,
-        device=device,
-        num_producers=1,
-        num_consumers=2,
+    results = _one_to_two(
+        device,
         syncs=4,
         shapes=_with_experts(shapes, 48),
         flat=True,
@@ -1585,13 +1584,8 @@ def test_read_path_steady_state_replays_one_gpu(shapes: dict[str, Any]) -> None:
     """On one GPU the replayed reads are one CUDA graph per producer (strided reads into the
     consumers' parameters, staged bytes unpacked after); still byte-exact as weights change."""
     _needs_nixl()
-    results = _launch(
-        3,
-        timeout=240,
-        comm=CommunicatorType.NIXL_RDT,
-        device="cuda",
-        num_producers=1,
-        num_consumers=2,
+    results = _one_to_two(
+        "cuda",
         syncs=5,
         shapes=shapes,
         config=_STEADY,
