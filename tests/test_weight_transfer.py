@@ -1268,7 +1268,10 @@ def test_read_path_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]
     )
     assert isinstance(consumers, LaunchError) and consumers.ranks == [1]
     assert isinstance(producers, LaunchError), producers
-    assert "TransferStallError" in str(producers) or "stall" in str(producers)
+    # the producer either waits out the stall timeout for the dead consumer's 'done' or, where
+    # UCX has seen the peer go by then, fails at once telling it (both name the peer)
+    said = str(producers)
+    assert "stall" in said or "rank 1: nixlRemoteDisconnectError" in said, said
     assert time.monotonic() - start < 60
 
 

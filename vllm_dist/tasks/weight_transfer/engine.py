@@ -1094,10 +1094,11 @@ class WeightProducer(_Engine):
         """(buffer name, byte offset, descriptor if new, strides) of a chunk read in place.
 
         A one-item chunk: strides are None for a contiguous view, else the view's (strided
-        reads). A chunk of several items, for a consumer that reads strided views on a mapping of
-        this rank's memory, whose items are all views of one storage (a trainer's flat parameter buffer): the offset is
-        ``SPREAD`` and the strides are ``(byte offset, strides)`` per item, so the consumer
-        copies each item straight from the trainer's buffer and nothing is packed.
+        reads). A chunk of several items, for a consumer that reads strided views on a mapping
+        of this rank's memory, whose items are all views of one storage (a trainer's flat
+        parameter buffer): the offset is ``SPREAD`` and the strides are ``(byte offset,
+        strides)`` per item, so the consumer copies each item straight from the trainer's
+        buffer and nothing is packed.
 
         Only views of the source's own storage (not copies the chain made) whose storage was
         already there last sync are exposed (a trainer that gathers into fresh memory every sync
@@ -1348,9 +1349,10 @@ class WeightProducer(_Engine):
         self._packed += 1
         dsts, srcs = self._pack_views(slot, pair, chunk, tensors)
         self._packs.append(self._program(pair, chunk, dsts, srcs))
-        program = pair.views[chunk.index].program
-        if pair.replay is not None and program is not None:  # none: a chain that copies
-            pair.replay.programs.append(program[2])
+        plan = pair.views[chunk.index]
+        if pair.replay is not None and not plan.copies:  # a chain that copies: not replayed
+            assert plan.program is not None  # the one ``_program`` just gave
+            pair.replay.programs.append(plan.program[2])
 
     def _sender(
         self,
