@@ -1266,12 +1266,15 @@ def test_read_path_consumer_death_ends_the_producers_sync(shapes: dict[str, Any]
         config=TransferConfig(stall_timeout=5.0),
         coordinator_options={"timeout": 20.0},
     )
-    assert isinstance(consumers, LaunchError) and consumers.ranks == [1]
+    # the dead consumer's launch ends its other rank too; that one shows up as failed when it
+    # noticed the producers going away before the launcher stopped it
+    assert isinstance(consumers, LaunchError) and 1 in consumers.ranks
+    assert "exited with code 7" in str(consumers)
     assert isinstance(producers, LaunchError), producers
     # the producer either waits out the stall timeout for the dead consumer's 'done' or, where
-    # UCX has seen the peer go by then, fails at once telling it (both name the peer)
+    # UCX has seen the peer go by then, fails at once telling it (both name the consumer)
     said = str(producers)
-    assert "stall" in said or "rank 1: nixlRemoteDisconnectError" in said, said
+    assert "stall" in said or "telling consumer" in said, said
     assert time.monotonic() - start < 60
 
 
@@ -1576,7 +1579,10 @@ def test_consumer_death_ends_a_replayed_sync(shapes: dict[str, Any]) -> None:
         config=replace(_STEADY, stall_timeout=5.0),
         coordinator_options={"timeout": 20.0},
     )
-    assert isinstance(consumers, LaunchError) and consumers.ranks == [1]
+    # the dead consumer's launch ends its other rank too; that one shows up as failed when it
+    # noticed the producers going away before the launcher stopped it
+    assert isinstance(consumers, LaunchError) and 1 in consumers.ranks
+    assert "exited with code 7" in str(consumers)
     assert isinstance(producers, LaunchError), producers
     assert "replayed sync" in str(producers), producers
     assert time.monotonic() - start < 60

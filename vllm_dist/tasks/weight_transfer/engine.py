@@ -935,7 +935,7 @@ class WeightProducer(_Engine):
         if packed:
             device_synchronize(self.communicator.device)
         for _, pair, _ in pairs:
-            self.communicator.notify(pair.peer_rank, replay_message(self._syncs))  # type: ignore[attr-defined]
+            self._tell(pair, replay_message(self._syncs), "the replayed sync")
         self._mark("told")
         for cid, pair, rec in pairs:
             self._await_done(cid, pair, rec.last_seq)
@@ -1076,11 +1076,23 @@ class WeightProducer(_Engine):
                 device_synchronize(self.communicator.device)
                 self._dirty = False
             self._mark(f"announce {pair.peer_rank} x{len(pair.outbox)}")
-            self.communicator.notify(pair.peer_rank, ready_message(pair.outbox))  # type: ignore[attr-defined]
+            self._tell(pair, ready_message(pair.outbox), "what is ready")
             pair.outbox = []
         pair.announced += pair.outbox_bytes
         pair.outbox_bytes = 0
         pair.outbox_packed = 0
+
+    def _tell(self, pair: _Pair, message: bytes, what: str) -> None:
+        """Notify ``pair``'s consumer; a failure (the consumer is gone: NIXL reports the
+        disconnect) names the consumer and what it was being told."""
+        try:
+            self.communicator.notify(pair.peer_rank, message)  # type: ignore[attr-defined]
+        except Exception as exc:
+            cid = next(c for c, p in self._pairs.items() if p is pair)
+            raise RuntimeError(
+                f"producer {self.producer_id}: telling consumer {cid} (rank {pair.peer_rank}) "
+                f"{what} in sync {self._syncs} failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _poll_done(self, barrier: FreeBarrier) -> None:
         """Take every 'done' that has arrived (never waits): frees slots and finished groups."""
