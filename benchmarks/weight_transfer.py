@@ -42,7 +42,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import human, print_table, write_outputs  # noqa: E402
 from vllm_dist import CommunicatorType, CoordinatorType, MPLauncher  # noqa: E402
-from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env  # noqa: E402
+from vllm_dist.implementations.communicators.common import (  # noqa: E402
+    shared_empty,
+    shared_gpu_nccl_env,
+)
 from vllm_dist.serialization import register_by_value  # noqa: E402
 from vllm_dist.tasks.weight_transfer import (  # noqa: E402
     ConsumerSpec,
@@ -201,7 +204,9 @@ class BenchTask(WeightTransferTask):
 
     def _raw_p2p(self, result: dict[str, Any], num_producers: int, iters: int) -> list[float]:
         """Seconds per round of the communicator's own transfer of the same bytes per consumer:
-        one-sided READs when the sync used the READ path, plain send/recv otherwise."""
+        one-sided READs when the sync used the READ path, plain send/recv otherwise. The
+        producer's buffers are where its fastest READ comes from (on the CPU, shared memory
+        that a consumer maps when its communicator can)."""
         nbytes = self.coordinator.all_gather_object(
             result["syncs"][0]["bytes"] if result["role"] == "consumer" else 0
         )
@@ -209,7 +214,7 @@ class BenchTask(WeightTransferTask):
         times = []
         dev = self.communicator.device
         bufs = {
-            c: torch.ones(nbytes[c], dtype=torch.uint8, device=dev)
+            c: shared_empty(nbytes[c], dev).fill_(1)
             for c in range(num_producers, len(nbytes))
             if rank < num_producers or c == rank
         }

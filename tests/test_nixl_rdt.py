@@ -7,6 +7,7 @@ processes on it (the same-GPU CUDA IPC path). Every launch has a timeout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import multiprocessing as mp
 import os
@@ -25,6 +26,7 @@ from vllm_dist import (
     GlobalCoordinatorDistributedTask,
     MPLauncher,
 )
+from vllm_dist.implementations.communicators.common import shared_empty
 from vllm_dist.interfaces import LaunchError, UnsupportedOperationError
 
 pytest.importorskip("nixl", reason="needs the nixl package (pip install 'vllm_dist[nixl]')")
@@ -90,11 +92,11 @@ class OneSidedTask(GlobalCoordinatorDistributedTask):
         dev = str(self.device)
         rank = self.coordinator.get_rank()
         nbytes = 8 << 20
-        if rank == 1:
-            buf = pattern(nbytes, 11, dev)
+        if rank == 1:  # on the CPU in shared memory: a peer on the node may map them
+            buf = shared_empty(nbytes, dev).copy_(pattern(nbytes, 11, dev))
             desc = comm.expose(buf, "weights")  # type: ignore[attr-defined]
             assert desc.nbytes == nbytes and desc.rank == 1
-            bias = pattern(3 << 20, 12, dev)
+            bias = shared_empty(3 << 20, dev).copy_(pattern(3 << 20, 12, dev))
             comm.expose(bias, "bias")  # type: ignore[attr-defined]
         else:
             comm.expose(torch.zeros(16, dtype=torch.uint8, device=dev), "unused")  # type: ignore[attr-defined]
@@ -180,7 +182,7 @@ def read_strided_views(comm: Any, dev: str, ref: torch.Tensor) -> None:
     """Rank 1's 8 MiB "weights" seen as a 1024 x 4096 int16 matrix; strided reads of it."""
     matrix = ref.view(torch.int16).view(1024, 4096)
     mapped = comm.maps_exposed(1, "weights")
-    assert mapped is (comm.maps_peer_memory and dev != "cpu")
+    assert mapped is comm.maps_peer_memory
     cols = torch.empty(1024, 1000, dtype=torch.int16, device=dev)  # a column slice: 1024 runs
     rows = torch.empty(3, 7, 4096, dtype=torch.int16, device=dev)  # 3-D, merges into one run
     tiny = torch.empty(8, 16, dtype=torch.int16, device=dev)  # a transposed view: element runs
@@ -226,17 +228,22 @@ def test_strided_runs() -> None:
 
 class PreparedReadsTask(GlobalCoordinatorDistributedTask):
     """Rank 1 rewrites its exposed buffer every round; rank 0 posts one prepared set of plain
-    and strided reads each round and checks every byte against that round's contents."""
+    and strided reads each round and checks every byte against that round's contents. With
+    ``plain``, the set also reads a second buffer that is not in shared memory (never mapped)."""
 
-    def post_init_distributed(self, rounds: int = 4, **kwargs: Any) -> Any:
+    def post_init_distributed(self, rounds: int = 4, plain: bool = False, **kwargs: Any) -> Any:
         comm: Any = self.communicator
         dev = str(self.device)
         rank = self.coordinator.get_rank()
         nbytes = 8 << 20
-        buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        buf = shared_empty(nbytes, dev).zero_()
+        other = torch.zeros(4096, dtype=torch.uint8, device=dev)
         if rank == 1:
             comm.expose(buf, "weights")
+            if plain:
+                comm.expose(other, "plain")
         comm.exchange_exposed()
+        tail = torch.empty(1000, dtype=torch.uint8, device=dev)
         small = torch.empty(333, dtype=torch.uint8, device=dev)
         big = torch.empty(2 << 20, dtype=torch.uint8, device=dev)
         cols = torch.empty(1024, 1000, dtype=torch.int16, device=dev)  # a column slice
@@ -245,12 +252,14 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
         if rank == 0:
             prepared = comm.prepare_reads(
                 1,
-                [("weights", 7, small), ("weights", 5 << 20, big)],
+                [("weights", 7, small), ("weights", 5 << 20, big)]
+                + ([("plain", 96, tail)] if plain else []),
                 [("weights", 200, (4096, 1), cols)],
             )
         for i in range(rounds):
             if rank == 1:
                 buf.copy_(pattern(nbytes, 100 + i, dev))
+                other.copy_(pattern(4096, 200 + i, dev))
             self.coordinator.barrier()
             if rank == 0:
                 assert prepared is not None
@@ -260,8 +269,13 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
                 assert torch.equal(big.cpu(), ref[5 << 20 : 7 << 20])
                 matrix = ref.view(torch.int16).view(1024, 4096)
                 assert torch.equal(cols.cpu(), matrix[:, 100:1100]), i
+                if plain:
+                    assert torch.equal(tail.cpu(), pattern(4096, 200 + i)[96:1096]), i
             self.coordinator.barrier()
-        if prepared is not None and not prepared.graphed:
+        if prepared is not None:
+            out["mapped"] = comm.maps_exposed(1, "weights")
+            assert not (plain and comm.maps_exposed(1, "plain"))
+        if prepared is not None and (plain or not out["mapped"]):
             # closed while a post is in flight: that post fails, the next one rebuilds
             inflight = prepared.post()
             prepared.close()
@@ -313,10 +327,38 @@ def test_send_recv_sizes_and_order_cpu() -> None:
 
 
 @distributed_test(timeout=180)
-def test_one_sided_read_write_many_descriptors_cpu() -> None:
-    facts = launch(OneSidedTask)
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared_memory", "ucx"])
+def test_one_sided_read_write_many_descriptors_cpu(shared_memory: bool) -> None:
+    facts = launch(OneSidedTask, options={"timeout": 30.0, "shared_memory": shared_memory})
     assert facts[0]["mem_type"] == "DRAM"
-    assert facts[0]["last_xfer_backend"] == "UCX"
+    # rank 0 issued the one-sided requests: which path carried them
+    assert facts[0]["last_xfer_backend"] == ("shared_memory" if shared_memory else "UCX")
+
+
+def test_shared_memory_handle_maps_a_cpu_storage() -> None:
+    """expose's DRAM handle: only a storage in shared memory has one, and opening it maps the
+    same bytes; handles that do not fit the object map nothing."""
+    assert nixl_rdt.SharedMemoryHandle.of(torch.arange(64, dtype=torch.int32)) is None
+    base = shared_empty(64 * 4, "cpu").view(torch.int32)
+    base.copy_(torch.arange(64, dtype=torch.int32))
+    view = base[16:32]
+    handle = nixl_rdt.SharedMemoryHandle.of(view)
+    assert handle is not None and base.untyped_storage().is_shared()
+    assert handle.offset == 16 * 4 and handle.nbytes == 16 * 4 and handle.size == 64 * 4
+    mapped = handle.open()
+    assert mapped is not None and mapped.data_ptr() != view.data_ptr()
+    assert torch.equal(mapped.view(torch.int32), torch.arange(16, 32, dtype=torch.int32))
+    mapped.view(torch.int32)[0] = -7  # the mapping and the tensor are the same memory
+    assert int(base[16]) == -7 and int(view[0]) == -7
+    moved = torch.arange(8, dtype=torch.int64)
+    moved.share_memory_()  # a trainer's model.share_memory()
+    again = nixl_rdt.SharedMemoryHandle.of(moved[2:])
+    assert again is not None and again.offset == 16 and again.inode != handle.inode
+    assert torch.equal(again.open().view(torch.int64), moved[2:])  # type: ignore[union-attr]
+    stale = dataclasses.replace(handle, inode=(handle.inode[0], handle.inode[1] + 1))
+    assert stale.open() is None
+    assert dataclasses.replace(handle, node="elsewhere").open() is None
+    assert dataclasses.replace(handle, pid=2**22 + 1).open() is None  # no such process
 
 
 @distributed_test(timeout=180)
@@ -494,10 +536,21 @@ def test_ray_rdt_version_guard() -> None:
 
 
 @distributed_test(timeout=180)
-def test_prepared_reads_are_reposted_cpu() -> None:
-    """Through NIXL: one request built once and reposted every round; close releases it."""
-    out = launch(PreparedReadsTask)[0]
-    assert out["open"]["live_xfer_handles"] == 1 and not out["graphed"] and out["rebuilt"]
+@pytest.mark.parametrize(
+    ("shared_memory", "plain"),
+    [(True, False), (False, False), (True, True)],
+    ids=["shared_memory", "ucx", "both"],
+)
+def test_prepared_reads_are_reposted_cpu(shared_memory: bool, plain: bool) -> None:
+    """Through NIXL: one request built once and reposted every round; close releases it. On a
+    shared-memory mapping: copies, no NIXL request at all. Both in one set: the request for
+    the unmapped buffer and copies for the mapped one, posted together."""
+    options = {"timeout": 30.0, "shared_memory": shared_memory}
+    out = launch(PreparedReadsTask, options=options, plain=plain)[0]
+    assert not out["graphed"] and out["mapped"] is shared_memory
+    nixl = plain or not shared_memory
+    assert out["open"]["live_xfer_handles"] == int(nixl)
+    assert out.get("rebuilt", False) is nixl
     assert out["closed"]["live_xfer_handles"] == 0 and out["closed"]["leaked_xfer_handles"] == 0
 
 
@@ -569,7 +622,7 @@ def test_send_recv_and_one_sided_under_ray_launcher_cpu(ray_session: Any) -> Non
     for stats, _ in results:
         assert stats["live_xfer_handles"] == 0 and stats["leaked_xfer_handles"] == 0
     assert results[0][1]["mem_type"] == "DRAM"
-    assert results[0][1]["last_xfer_backend"] == "UCX"
+    assert results[0][1]["last_xfer_backend"] == "shared_memory"  # Ray's workers share the node
 
 
 @pytest.mark.ray

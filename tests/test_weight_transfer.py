@@ -1332,7 +1332,9 @@ def test_read_path_mapped_unpack_one_gpu(shapes: dict[str, Any]) -> None:
         assert syncs == [0, 0, 0, 0], runs
 
 
-def _flat_experts(shapes: dict[str, Any], device: str, strided: bool | None) -> list[Any]:
+def _flat_experts(
+    shapes: dict[str, Any], device: str, strided: bool | None, **options: Any
+) -> list[Any]:
     """One producer whose weights, 48 small experts a layer among them, are views of one flat
     buffer; two TP-2 consumers; four syncs, byte-exact."""
     results = _one_to_two(
@@ -1341,6 +1343,7 @@ def _flat_experts(shapes: dict[str, Any], device: str, strided: bool | None) -> 
         shapes=_with_experts(shapes, 48),
         flat=True,
         config=replace(_STEADY, strided_reads=strided),
+        communicator_options={"timeout": 30.0, **options},
     )
     _assert_verified(results, 4)
     assert [r["role"] for r in results] == ["producer", "consumer", "consumer"]
@@ -1354,9 +1357,22 @@ def test_read_path_flat_buffer_through_nixl_is_packed_cpu(shapes: dict[str, Any]
     mapping of the producer's memory): small experts are still packed, every sync — read in
     place they would cost a descriptor per 16-byte row — and unpacked; bytes are exact."""
     _needs_nixl()
-    producer, *consumers = _flat_experts(shapes, "cpu", True)
+    producer, *consumers = _flat_experts(shapes, "cpu", True, shared_memory=False)
     assert all(n > 0 for n in producer), producer
     assert all(all(n > 0 for n in packed) for packed in consumers), consumers
+
+
+@distributed_test(timeout=150)
+def test_read_path_flat_buffer_is_read_in_place_through_shared_memory_cpu(
+    shapes: dict[str, Any],
+) -> None:
+    """The same flat buffer in shared memory, mapped by the consumers (strided reads on by
+    default there): from the second sync on, each item is one copy from the trainer's buffer
+    into the consumer's parameter; nothing is packed or unpacked; bytes are exact."""
+    _needs_nixl()
+    producer, *consumers = _flat_experts(shapes, "cpu", None)
+    assert producer[0] > 0 and producer[1:] == [0, 0, 0], producer
+    assert consumers == [[0, 0, 0, 0]] * 2, consumers
 
 
 @distributed_test(gpus=1, timeout=400)

@@ -69,6 +69,29 @@ def check_tensor(
         raise ValueError(f"{what} is not contiguous; pass tensor.contiguous()")
 
 
+SHM_SPARE_BYTES = 256 << 20  # what ``shared_empty`` leaves free in /dev/shm for everyone else
+
+
+def shared_empty(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """An uninitialized uint8 buffer of ``nbytes`` that a same-node peer can map: on the CPU in
+    shared memory (``NixlOptions.shared_memory``), elsewhere as ``torch.empty`` makes it. Plain
+    memory too where ``/dev/shm`` lacks room: a full tmpfs kills the writer with SIGBUS."""
+    device = torch.device(device)
+    if device.type != "cpu" or not nbytes or _shm_room() < nbytes + SHM_SPARE_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = torch.empty(0, dtype=torch.uint8)
+    out.set_(torch.UntypedStorage._new_shared(nbytes), 0, (nbytes,), (1,))  # type: ignore[arg-type]
+    return out
+
+
+def _shm_room() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 def check_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     if a.dtype != b.dtype:
         raise ValueError(f"{what}: dtype {b.dtype} does not match {a.dtype}")

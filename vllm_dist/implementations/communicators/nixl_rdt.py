@@ -22,7 +22,12 @@ is created unless the user set it, so READ also stays on CUDA IPC. UCX's cuda_ip
 with the copy engine, about half of what an SM copy reaches on one H200, so one-sided transfers to
 an exposed buffer on the same node go further: the exposer ships a CUDA IPC handle with its
 descriptor, and the peer copies with a kernel on the mapping (``cuda_ipc`` option; on by default,
-``describe()["last_xfer_backend"]`` says which path carried the last request). Every wait is bounded by the
+``describe()["last_xfer_backend"]`` says which path carried the last request). DRAM buffers do the
+same through shared memory (``shared_memory`` option): a peer on the node maps an exposed tensor
+whose storage is in shared memory (``share_memory_()``, ``shared_empty``) through the owner's file
+descriptor (``/proc/<pid>/fd``) and copies with ``memcpy``: a strided view of a peer's weights, or
+a thousand small ones, then cost their bytes instead of a NIXL descriptor each. ``expose`` never
+moves a storage (that would free memory that copies planned earlier still address). Every wait is bounded by the
 ``timeout`` option: a dead peer gives ``NixlTimeoutError`` (or ``NixlTransferError`` when UCX sees
 the endpoint fail), never a hang.
 
@@ -129,6 +134,10 @@ class NixlOptions:
         cuda_graphs: ``prepare_reads`` on CUDA IPC mappings records its copies into a CUDA
             graph at the first post and replays it: one launch for hundreds of weights instead
             of a few µs of launch per copy kernel.
+        shared_memory: one-sided READ/WRITE of an exposed DRAM buffer of a process on the same
+            node run as ``memcpy`` on a mapping of it, where the buffer's storage is in shared
+            memory (``tensor.share_memory_()``, ``model.share_memory()``, ``shared_empty``);
+            any other buffer goes through NIXL.
     """
 
     timeout: float = 120.0
@@ -138,6 +147,7 @@ class NixlOptions:
     progress_delay_us: int | None = None
     cuda_ipc: bool = True
     cuda_graphs: bool = True
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -169,7 +179,7 @@ class ExposedBuffer:
     mem_type: str
     epoch: int
     metadata: bytes = field(repr=False)
-    ipc: Any = field(default=None, repr=False)  # a CudaIpcHandle for same-node VRAM peers
+    mapping: Any = field(default=None, repr=False)  # CudaIpcHandle / SharedMemoryHandle: same node
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,6 +212,63 @@ class CudaIpcHandle:
         args = list(args)
         args[6] = local  # the exporter's device index, renumbered for this process's visibility
         return fn(*args)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharedMemoryHandle:
+    """What a process on the same node needs to map a DRAM buffer whose storage is in shared
+    memory: the owner's file descriptor of the shared-memory object, opened through ``/proc``
+    (the object is unlinked, so it lives exactly as long as its owner's storage and mappings)."""
+
+    node: str
+    pid: int
+    fd: int
+    inode: tuple[int, int]  # (st_dev, st_ino): a reused fd number is not mistaken for it
+    size: int  # the storage's bytes
+    offset: int  # the buffer's byte offset in the storage
+    nbytes: int
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> SharedMemoryHandle | None:
+        """The handle of ``tensor``'s storage; None when it is not in shared memory."""
+        storage = tensor.untyped_storage()
+        if not (storage.nbytes() and storage.is_shared()):
+            return None
+        try:
+            fd, size = storage._share_fd_cpu_()
+            st = os.fstat(fd)
+        except (RuntimeError, OSError):  # e.g. shared by file name (the file_system strategy)
+            return None
+        return SharedMemoryHandle(
+            node=_node_id(),
+            pid=os.getpid(),
+            fd=fd,
+            inode=(st.st_dev, st.st_ino),
+            size=size,
+            offset=tensor.data_ptr() - storage.data_ptr(),
+            nbytes=tensor.numel() * tensor.element_size(),
+        )
+
+    def open(self) -> torch.Tensor | None:
+        """The buffer as a flat uint8 tensor mapped here, or None when it cannot be mapped."""
+        if self.node != _node_id():
+            return None
+        try:
+            fd = os.open(f"/proc/{self.pid}/fd/{self.fd}", os.O_RDWR)
+        except OSError:  # gone, or another PID namespace: NIXL still works
+            return None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.inode or st.st_size < self.size:
+                return None
+            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, self.size)
+        except (OSError, RuntimeError):
+            return None
+        finally:
+            os.close(fd)  # the mapping keeps the object
+        whole = torch.empty(0, dtype=torch.uint8)
+        whole.set_(storage, 0, (self.size,), (1,))  # type: ignore[arg-type]
+        return whole[self.offset : self.offset + self.nbytes]
 
 
 def _node_id() -> str:
@@ -366,9 +433,12 @@ class NixlTransfer:
 
 
 class _CopyTransfer(NixlTransfer):
-    """A same-node VRAM transfer done by a copy kernel on a CUDA IPC mapping."""
+    """A same-node transfer done by copies on a mapping: CUDA IPC (done when ``event`` is) or
+    shared memory (``event`` None: the copies ran before it was made)."""
 
-    def __init__(self, comm: NixlRdtCommunicator, event: torch.cuda.Event, what: str) -> None:
+    def __init__(
+        self, comm: NixlRdtCommunicator, event: torch.cuda.Event | None, what: str
+    ) -> None:
         super().__init__(comm, None, [], what)
         self._event: torch.cuda.Event | None = event
         self._what = what
@@ -432,7 +502,7 @@ def _settled(xfer: NixlTransfer) -> bool:
 
 
 class _PreparedCopies(PreparedReads):
-    """Copy kernels on CUDA IPC mappings, one ``CopyProgram`` (a CUDA graph at the first post)."""
+    """Copies on mappings, one ``CopyProgram`` (on CUDA IPC a CUDA graph at the first post)."""
 
     def __init__(
         self,
@@ -442,16 +512,13 @@ class _PreparedCopies(PreparedReads):
         *,
         graphs: bool,
     ) -> None:
-        super().__init__(comm, peer, f"prepared READ of rank {peer}'s buffers through CUDA IPC")
+        super().__init__(comm, peer, f"prepared READ of rank {peer}'s buffers {comm._map_via}")
         pairs = [(d, s) for d, s, n in copies if n]  # byte views are sliced to n already
         self._program = CopyProgram([d for d, _ in pairs], [s for _, s in pairs], graph=graphs)
 
     def _post(self) -> NixlTransfer:
         self._program.run()
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._comm._device))
-        self._comm._last_backend = "cuda_ipc"
-        return _CopyTransfer(self._comm, event, self._what)
+        return self._comm._copied(self._what)
 
     @property
     def graphed(self) -> bool:
@@ -463,6 +530,51 @@ class _PreparedCopies(PreparedReads):
 
     def close(self) -> None:
         self._program.close()
+
+
+class _PreparedBoth(PreparedReads):
+    """Reads of one peer's unmapped buffers (a NIXL request) and of its mapped ones (copies),
+    posted together: the request first, so that the copies run while it is in flight."""
+
+    def __init__(self, comm: NixlRdtCommunicator, peer: int, sets: list[PreparedReads]) -> None:
+        super().__init__(comm, peer, " and ".join(p._what for p in sets))
+        self._sets = sets
+
+    def _post(self) -> NixlTransfer:
+        started: list[NixlTransfer] = []
+        try:
+            for prepared in self._sets:
+                started.append(prepared.post())
+        except BaseException:
+            for xfer in started:  # nothing may still write into the caller's tensors
+                with contextlib.suppress(NixlTransferError):
+                    xfer.wait()
+            raise
+        return _JoinedTransfer(self._comm, started, self._what)
+
+    @property
+    def graphed(self) -> bool:
+        return any(p.graphed for p in self._sets)
+
+    def close(self) -> None:
+        for prepared in self._sets:
+            prepared.close()
+
+
+class _JoinedTransfer(NixlTransfer):
+    """Several transfers that are done when all of them are."""
+
+    def __init__(self, comm: NixlRdtCommunicator, parts: list[NixlTransfer], what: str) -> None:
+        super().__init__(comm, None, [], what)
+        self._parts = parts
+
+    def done(self) -> bool:
+        return all([part.done() for part in self._parts])  # each polled: errors surface
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + self._comm._timeout(timeout)
+        for part in self._parts:
+            part.wait(max(deadline - time.monotonic(), 1e-3))
 
 
 class _PreparedXfer(PreparedReads):
@@ -648,11 +760,14 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._live_xfers = 0
         self._graveyard: list[tuple[nixl_xfer_handle, list[_Registration]]] = []
         self._last_backend = ""
-        self._ipc_maps: dict[tuple[int, str, int], torch.Tensor | None] = {}
+        self._maps: dict[tuple[int, str, int], torch.Tensor | None] = {}
         # (peer, op, remote name, addr, offset, nbytes, local ptr) -> prepared IPC copy views of
         # exposed local memory (never of a caller's temporary tensors: that would keep them)
         self._prepared: dict[tuple[Any, ...], Any] = {}
-        self._use_ipc = self._device.type == "cuda" and self._opts.cuda_ipc
+        cuda = self._device.type == "cuda"
+        self._use_maps = self._opts.cuda_ipc if cuda else self._opts.shared_memory
+        self._map_backend = "cuda_ipc" if cuda else "shared_memory"
+        self._map_via = "through CUDA IPC" if cuda else "through shared memory"
         self._spin_s = 0.002 if self._device.type == "cuda" else 0.0  # see _Backoff
         self._connect()
 
@@ -783,10 +898,16 @@ class NixlRdtCommunicator(DeviceCommunicator):
             mem_type=reg.mem_type,
             epoch=self._epoch,
             metadata=self._agent_ref().get_agent_metadata(),
-            ipc=CudaIpcHandle.of(tensor) if self._use_ipc else None,
+            mapping=self._map_handle(tensor),
         )
         self._exposed[name] = (desc, reg)
         return desc
+
+    def _map_handle(self, tensor: torch.Tensor) -> CudaIpcHandle | SharedMemoryHandle | None:
+        """What a same-node peer needs to map ``tensor`` (None: peers go through NIXL)."""
+        if not self._use_maps:
+            return None
+        return CudaIpcHandle.of(tensor) if tensor.is_cuda else SharedMemoryHandle.of(tensor)
 
     def unexpose(self, name: str) -> None:
         """Stop exposing ``name``; its registration is released once nothing else uses it."""
@@ -921,9 +1042,9 @@ class NixlRdtCommunicator(DeviceCommunicator):
                 path) a non-contiguous local tensor or more than ``_MAX_RUNS`` runs.
         """
         self._check_peer(peer)
-        pieces, copies = self._plan_strided(peer, requests, ipc=self._use_ipc)
+        pieces, copies = self._plan_strided(peer, requests, maps=self._use_maps)
         if copies is not None:
-            return self._ipc_copy("READ", peer, copies, None)
+            return self._mapped_copy("READ", peer, copies, None)
         return self._post_pieces("READ", peer, pieces, None)
 
     def prepare_reads(
@@ -939,30 +1060,53 @@ class NixlRdtCommunicator(DeviceCommunicator):
         checks and bookkeeping. On CUDA IPC mappings the copies are recorded into a CUDA graph
         at the first ``post`` (``cuda_graphs`` option), so a post costs one launch however many
         weights it moves. Through NIXL the descriptor lists are built and the request
-        created once, and every ``post`` reposts it. The local tensors and the peer's exposed
-        buffers must stay where they are for as long as the set is used; ``close()`` it then.
+        created once, and every ``post`` reposts it. A set that reads mapped and unmapped
+        buffers does both (a post starts the request, then the copies). The local tensors and
+        the peer's exposed buffers must stay where they are for as long as the set is used;
+        ``close()`` it then.
         """
         self._check_peer(peer)
+
+        def mapped(name: str) -> bool:
+            return self._mapping(peer, self._remote_buffer(peer, name)) is not None
+
         byte_reqs = [(name, off, t, t.numel() * t.element_size()) for name, off, t in requests]
-        pieces, copies = self._plan_gather("READ", peer, byte_reqs, ipc=self._use_ipc)
-        s_pieces, s_copies = self._plan_strided(peer, strided, ipc=self._use_ipc)
-        if copies is not None and s_copies is not None:
-            return _PreparedCopies(self, peer, [*copies, *s_copies], graphs=self._opts.cuda_graphs)
-        if copies is not None or s_copies is not None:  # mapped in part: all through NIXL
-            pieces = self._plan_gather("READ", peer, byte_reqs, ipc=False)[0]
-            s_pieces = self._plan_strided(peer, strided, ipc=False)[0]
-        return _PreparedXfer(self, peer, [*pieces, *s_pieces])
+        on_map = [mapped(r[0]) for r in byte_reqs]
+        s_on_map = [mapped(r[0]) for r in strided]
+        sets: list[PreparedReads] = []
+        if any(on_map) or any(s_on_map):
+            copies = self._plan_gather(
+                "READ", peer, [r for r, m in zip(byte_reqs, on_map, strict=True) if m], maps=True
+            )[1]
+            s_copies = self._plan_strided(
+                peer, [r for r, m in zip(strided, s_on_map, strict=True) if m], maps=True
+            )[1]
+            assert copies is not None and s_copies is not None  # every buffer is mapped
+            sets.append(
+                _PreparedCopies(self, peer, [*copies, *s_copies], graphs=self._opts.cuda_graphs)
+            )
+        if not (all(on_map) and all(s_on_map)) or not sets:
+            pieces = self._plan_gather(
+                "READ", peer, [r for r, m in zip(byte_reqs, on_map, strict=True) if not m],
+                maps=False,
+            )[0]  # fmt: skip
+            s_pieces = self._plan_strided(
+                peer, [r for r, m in zip(strided, s_on_map, strict=True) if not m], maps=False
+            )[0]
+            sets.insert(0, _PreparedXfer(self, peer, [*pieces, *s_pieces]))
+        return sets[0] if len(sets) == 1 else _PreparedBoth(self, peer, sets)
 
     @property
     def maps_peer_memory(self) -> bool:
-        """Whether one-sided transfers with same-node VRAM peers run as copy kernels on a CUDA
-        IPC mapping, where a strided view costs what its bytes cost (``read_strided_async``)."""
-        return self._use_ipc
+        """Whether one-sided transfers with same-node peers run as copies on a mapping of their
+        memory (CUDA IPC for VRAM, shared memory for DRAM), where a strided view costs what its
+        bytes cost (``read_strided_async``). ``maps_exposed`` says it of one buffer."""
+        return self._use_maps
 
     def maps_exposed(self, peer: int, remote_name: str) -> bool:
         """Whether ``peer``'s exposed buffer ``remote_name`` is mapped here (see above)."""
         self._check_peer(peer)
-        return self._ipc_mapping(peer, self._remote_buffer(peer, remote_name)) is not None
+        return self._mapping(peer, self._remote_buffer(peer, remote_name)) is not None
 
     def write_batch_async(
         self,
@@ -1029,10 +1173,11 @@ class NixlRdtCommunicator(DeviceCommunicator):
         agent, self._agent = self._agent, None
         if agent is None:
             return
-        if self._ipc_maps:
-            torch.cuda.synchronize(self._device)  # no copy may still use a peer's mapping
+        if self._maps:
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)  # no copy may still use a peer's mapping
             self._prepared.clear()
-            self._ipc_maps.clear()
+            self._maps.clear()
         for handle, _ in self._graveyard:
             with contextlib.suppress(Exception):
                 handle.release()
@@ -1066,7 +1211,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
             "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
             CUDA_IPC_GET_ZCOPY: os.environ.get(CUDA_IPC_GET_ZCOPY, "(unset)"),
             "ucx_env_set_by_vllm_dist": self._set_ucx_env,
-            "cuda_ipc": self._use_ipc,
+            "maps_peer_memory": self._use_maps and self._map_backend,
             "progress_delay_us": self._progress_delay_us,
         }
         with contextlib.suppress(Exception):
@@ -1168,9 +1313,9 @@ class NixlRdtCommunicator(DeviceCommunicator):
     ) -> NixlTransfer:
         """One request over ``(remote name, remote offset, local view, nbytes)`` pieces."""
         self._check_peer(peer)
-        pieces, copies = self._plan_gather(op, peer, requests, ipc=self._use_ipc)
+        pieces, copies = self._plan_gather(op, peer, requests, maps=self._use_maps)
         if copies is not None:
-            return self._ipc_copy(op, peer, copies, notify)
+            return self._mapped_copy(op, peer, copies, notify)
         return self._post_pieces(op, peer, pieces, notify)
 
     def _plan_gather(
@@ -1179,14 +1324,14 @@ class NixlRdtCommunicator(DeviceCommunicator):
         peer: int,
         requests: Sequence[tuple[str, int, torch.Tensor, int]],
         *,
-        ipc: bool,
+        maps: bool,
     ) -> tuple[
         list[tuple[torch.Tensor, int, int, ExposedBuffer]],
         list[tuple[torch.Tensor, torch.Tensor, int]] | None,
     ]:
         """Check byte requests; (NIXL pieces, copies on CUDA IPC mappings or None)."""
         pieces: list[tuple[torch.Tensor, int, int, ExposedBuffer]] = []
-        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if ipc else None
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if maps else None
         for i, (remote_name, off, view, n) in enumerate(requests):
             remote = self._remote_buffer(peer, remote_name)
             check_tensor(view, self._device, f"local[{i}]")
@@ -1205,7 +1350,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
                     f"({remote.nbytes} bytes) on rank {peer}"
                 )
             pieces.append((view, off, n, remote))
-            mapped = None if copies is None else self._ipc_mapping(peer, remote)
+            mapped = None if copies is None else self._mapping(peer, remote)
             if mapped is None:
                 copies = None
             elif copies is not None:
@@ -1224,14 +1369,14 @@ class NixlRdtCommunicator(DeviceCommunicator):
         peer: int,
         requests: Sequence[tuple[str, int, Sequence[int], torch.Tensor]],
         *,
-        ipc: bool,
+        maps: bool,
     ) -> tuple[
         list[tuple[torch.Tensor, int, int, ExposedBuffer]],
         list[tuple[torch.Tensor, torch.Tensor, int]] | None,
     ]:
         """Check strided read requests; (NIXL pieces, None) or, where every remote buffer is
-        mapped here and ``ipc``, ([], copies)."""
-        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if ipc else None
+        mapped here and ``maps``, ([], copies)."""
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if maps else None
         checked = []
         for i, (remote_name, off, stride, local) in enumerate(requests):
             remote = self._remote_buffer(peer, remote_name)
@@ -1241,6 +1386,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
                 hit = self._prepared.get(key)
                 if hit is not None and hit[3] is local:  # the same request as an earlier one
                     copies.append(hit[:3])
+                    checked.append((remote, off, tuple(stride), local, hit[2]))  # for NIXL
                     continue
             check_tensor(local, self._device, f"local[{i}]", contiguous=False)
             size, stride = tuple(local.shape), tuple(int(s) for s in stride)
@@ -1266,7 +1412,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
                     f"{remote_name!r} ({remote.nbytes} bytes) on rank {peer}"
                 )
             checked.append((remote, off, stride, local, extent))
-            mapped = None if copies is None else self._ipc_mapping(peer, remote)
+            mapped = None if copies is None else self._mapping(peer, remote)
             if mapped is None:
                 copies = None
             elif copies is not None and extent:
@@ -1338,28 +1484,30 @@ class NixlRdtCommunicator(DeviceCommunicator):
         reg = self._regs.get((str(view.device), view.untyped_storage().data_ptr()))
         return reg is not None and reg.pinned > 0
 
-    def _ipc_mapping(self, peer: int, remote: ExposedBuffer) -> torch.Tensor | None:
-        """The peer's exposed buffer mapped here through CUDA IPC, or None (use NIXL)."""
-        if not self._use_ipc or remote.ipc is None:
+    def _mapping(self, peer: int, remote: ExposedBuffer) -> torch.Tensor | None:
+        """The peer's exposed buffer mapped here (CUDA IPC, shared memory), or None (NIXL)."""
+        if not self._use_maps or remote.mapping is None:
             return None
+        if isinstance(remote.mapping, CudaIpcHandle) != (self._device.type == "cuda"):
+            return None  # VRAM and DRAM peers copy through NIXL
         key = (peer, remote.name, remote.addr)
-        if key not in self._ipc_maps:
+        if key not in self._maps:
             try:
-                self._ipc_maps[key] = remote.ipc.open()
+                self._maps[key] = remote.mapping.open()
             except RuntimeError:  # e.g. no peer access between the two devices: NIXL still works
-                self._ipc_maps[key] = None
-        return self._ipc_maps[key]
+                self._maps[key] = None
+        return self._maps[key]
 
-    def _ipc_copy(
+    def _mapped_copy(
         self,
         op: str,
         peer: int,
         copies: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
         notify: bytes | None,
     ) -> _CopyTransfer:
-        """Copy kernels over ``(destination, source, nbytes)`` byte views, one side of each a
-        peer's CUDA IPC mapping: one kernel per large piece, one batched
-        (``_foreach_copy_``) launch for all the small ones."""
+        """Copies over ``(destination, source, nbytes)`` byte views, one side of each a peer's
+        mapping: one copy per large piece, one batched (``_foreach_copy_``) launch for all the
+        small ones."""
         small_dst: list[torch.Tensor] = []
         small_src: list[torch.Tensor] = []
         for dst, src, n in copies:
@@ -1370,14 +1518,20 @@ class NixlRdtCommunicator(DeviceCommunicator):
                 small_src.append(src)
         if small_dst:
             torch._foreach_copy_(small_dst, small_src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._device))
-        xfer = _CopyTransfer(self, event, f"{op} of rank {peer}'s buffer through CUDA IPC")
-        self._last_backend = "cuda_ipc"
+        xfer = self._copied(f"{op} of rank {peer}'s buffer {self._map_via}")
         if notify is not None:  # the peer may look only after the bytes have landed
             xfer.wait()
             self._notify(peer, _USER, bytes(notify))
         return xfer
+
+    def _copied(self, what: str) -> _CopyTransfer:
+        """The transfer of copies just issued on mappings (on CUDA: behind an event)."""
+        self._last_backend = self._map_backend
+        if self._device.type != "cuda":
+            return _CopyTransfer(self, None, what)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return _CopyTransfer(self, event, what)
 
     def _post(
         self,

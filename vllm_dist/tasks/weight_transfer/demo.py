@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vllm_dist.implementations.communicators.common import shared_empty
 from vllm_dist.tasks.weight_transfer.engine import TransferConfig
 from vllm_dist.tasks.weight_transfer.source import StateDictSource, WeightSource, stage_names
 from vllm_dist.tasks.weight_transfer.task import ConsumerSpec, WeightTransferTask
@@ -101,14 +102,16 @@ def allocate(
 ) -> dict[str, torch.Tensor]:
     """Zero tensors for ``shapes`` (HF name -> (shape, dtype)) on ``device``. ``flat``: views of
     one buffer, each at a 256-byte boundary, as a trainer that keeps its parameters in one flat
-    buffer holds them (Megatron's parameter buffers, flat FSDP parameters)."""
+    buffer holds them (Megatron's parameter buffers, flat FSDP parameters); on the CPU it is in
+    shared memory, as ``model.share_memory()`` puts a CPU trainer's weights, so that consumers
+    on the node map it (``NixlOptions.shared_memory``) and read each weight in place."""
     if not flat:
         return {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in shapes.items()}
     starts, end = [], 0
     for shape, dtype in shapes.values():
         starts.append(end)
         end += -(-math.prod(shape) * dtype.itemsize // 256) * 256
-    buffer = torch.zeros(end, dtype=torch.uint8, device=device)
+    buffer = shared_empty(end, device).zero_()
     return {
         n: buffer[a : a + math.prod(s) * d.itemsize].view(d).view(s)
         for a, (n, (s, d)) in zip(starts, shapes.items(), strict=True)

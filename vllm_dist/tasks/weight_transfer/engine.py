@@ -71,7 +71,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from vllm_dist.implementations.communicators.common import CopyProgram, batched_copy
+from vllm_dist.implementations.communicators.common import (
+    CopyProgram,
+    batched_copy,
+    shared_empty,
+)
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.onesided import (
@@ -676,7 +680,11 @@ class WeightProducer(_Engine):
         if chunks:
             ring_bytes = slot * self.layout.ring_slots
             alloc = buffer_alloc_bytes(ring_bytes, self.config.presize_bytes)
-            buf = torch.empty(alloc, dtype=torch.uint8, device=self.communicator.device)
+            device = self.communicator.device
+            if pair.maps:  # the consumer maps this ring (CUDA IPC; on the CPU, shared memory)
+                buf = shared_empty(alloc, device)
+            else:
+                buf = torch.empty(alloc, dtype=torch.uint8, device=device)
             pair.ring = ServeRing(buf, self.layout.ring_slots, slot)
             if self._threads:
                 pair.worker = SerialWorker(f"wt-serve-c{cid}")
@@ -1140,10 +1148,19 @@ class WeightProducer(_Engine):
         known = self._exposed_storage(pair, srcs[0])
         if known is None:
             return None
+        if not single and not self._mappable(srcs[0]):
+            return None  # a peer would read it through NIXL, a descriptor per row: packed
         name, desc = known
         offset = srcs[0].data_ptr() - srcs[0].untyped_storage().data_ptr() if single else SPREAD
         plan.inplace = (srcs, name, offset, strides)
         return name, offset, desc, strides
+
+    def _mappable(self, view: torch.Tensor) -> bool:
+        """Whether the exposed storage of ``view`` can be mapped by a same-node peer (a DRAM
+        storage can stay out of shared memory: ``NixlOptions.shared_memory``)."""
+        storage = view.untyped_storage()
+        _, desc = self._source_names[(storage.data_ptr(), storage.nbytes())]
+        return getattr(desc, "mapping", None) is not None
 
     def _exposed_storage(self, pair: _Pair, view: torch.Tensor) -> tuple[str, Any] | None:
         """(exposed name, descriptor the first time this consumer hears of it, else None) of
