@@ -115,17 +115,34 @@ def moe_shapes(num_tensors: int, layers: int = 32) -> dict[str, Any]:
 
 
 def moe_layout(
-    shapes: dict[str, Any], tp_rank: int, tp_size: int, device: Any = "cpu"
+    shapes: dict[str, Any], tp_rank: int, tp_size: int, device: Any = "cpu", fused: bool = False
 ) -> tuple[dict, dict]:
+    """A TP shard of every expert weight: a tensor each, or (``fused``) views of two tensors
+    per layer, as vLLM's FusedMoE keeps them (``w13_weight`` [E, 2 I/tp, H] with gate rows then
+    up rows per expert, ``w2_weight`` [E, H, I/tp]), where its loader copies expert e's shard."""
     params: dict[str, torch.Tensor] = {}
     routes: dict[str, Any] = {}
+    experts = 1 + max(int(n.split(".")[5]) for n in shapes)
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, (shape, dtype) in shapes.items():
-        if name.endswith("w2.weight"):
-            params[name] = torch.zeros(shape[0], shape[1] // tp_size, dtype=dtype, device=device)
-            routes[name] = [(name, row_parallel(tp_rank, tp_size))]
+        w2 = name.endswith("w2.weight")
+        part = (shape[0], shape[1] // tp_size) if w2 else (shape[0] // tp_size, shape[1])
+        if fused:
+            layer, expert = name.rsplit(".", 4)[0], int(name.split(".")[5])
+            if layer not in layers:
+                w1_part = (shape[0] // tp_size, shape[1]) if not w2 else (shape[1], shape[0])
+                layers[layer] = (
+                    torch.zeros(experts, 2, *w1_part, dtype=dtype, device=device),
+                    torch.zeros(experts, w1_part[1], w1_part[0], dtype=dtype, device=device),
+                )
+            w13_weight, w2_weight = layers[layer]
+            which = None if w2 else int(name.endswith("w3.weight"))
+            params[name] = w2_weight[expert] if which is None else w13_weight[expert, which]
+            assert tuple(params[name].shape) == part, (name, params[name].shape, part)
         else:
-            params[name] = torch.zeros(shape[0] // tp_size, shape[1], dtype=dtype, device=device)
-            routes[name] = [(name, column_parallel(tp_rank, tp_size))]
+            params[name] = torch.zeros(*part, dtype=dtype, device=device)
+        loader = row_parallel if w2 else column_parallel
+        routes[name] = [(name, loader(tp_rank, tp_size))]
     return params, routes
 
 
@@ -170,10 +187,13 @@ class BenchTask(WeightTransferTask):
         shapes: Any = None,
         moe: bool = False,
         transposed_down: bool = False,
+        fused_experts: bool = False,
         **_: Any,
     ) -> ConsumerSpec:
         if moe:
-            params, routes = moe_layout(shapes, consumer_idx % 2, 2, self.device)
+            params, routes = moe_layout(
+                shapes, consumer_idx % 2, 2, self.device, fused=fused_experts
+            )
         else:
             params, routes = llama_tp_layout(
                 shapes, consumer_idx % 2, 2, self.device, transposed_down=transposed_down
@@ -303,6 +323,7 @@ def run_case(
         moe=moe,
         in_place=args.in_place,
         flat=args.flat,
+        fused_experts=args.fused_experts,
         transposed_down=args.layout == "transposed",
         verify=not args.no_verify,
         dump_after=args.dump_after,
@@ -331,6 +352,7 @@ def run_case(
         "mapped_unpack": not args.no_mapped_unpack,
         "in_place": args.in_place,
         "flat": args.flat,
+        "fused_experts": args.fused_experts,
         "sync_all_s": per_sync,
         "gb_s": moved / sync_s / 1e9,
         "raw_s": raw_s,
@@ -404,6 +426,12 @@ def main() -> None:
         choices=("vllm", "transposed"),
         default="vllm",
         help="consumer layout: vllm's (down_proj [out, in/tp]) or down_proj stored transposed",
+    )
+    ap.add_argument(
+        "--fused-experts",
+        action="store_true",
+        help="many-tensors case: consumers keep each layer's experts in two fused tensors, as "
+        "vLLM's FusedMoE does (w13_weight, w2_weight), instead of a tensor per expert weight",
     )
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument(

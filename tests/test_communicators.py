@@ -179,10 +179,11 @@ def _merged_program_case(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
         return staging[0]
 
     parts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    perm = torch.randperm(60, generator=gen).tolist()  # sources out of step: rows gathered
     for k in range(3):  # three chunks' programs, each with every kind of copy
         e = range(20 * k, 20 * k + 20)
         dsts = [slot[i] for i in e] + [scattered[i, :, 16:48] for i in e]
-        srcs = [experts[i, :, 48:] for i in e] + [experts[i, :, :32] for i in e]
+        srcs = [experts[perm[i], :, 48:] for i in e] + [experts[perm[i], :, :32] for i in e]
         dsts += [
             torch.zeros(33, device=device),
             torch.zeros(5, 64, dtype=torch.int16, device=device),
@@ -227,6 +228,49 @@ def test_copy_program_merged_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None
     _merged_program_case("cuda", monkeypatch)
 
 
+def _progressions_case(device: str) -> None:
+    from vllm_dist.implementations.communicators.common import CopyProgram
+
+    gen = torch.Generator().manual_seed(9)
+    flat = torch.randint(-100, 100, (40 * 3 * 256,), dtype=torch.int16, generator=gen).to(device)
+    experts = flat.view(40, 3, 16, 16)  # a trainer's flat buffer: gate, up, down per expert
+    w13 = torch.zeros(40, 2, 8, 16, dtype=torch.int16, device=device)  # fused, TP-2 shard
+    w2 = torch.zeros(40, 16, 8, dtype=torch.int16, device=device)
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for e in range(40):  # gate and up take turns (one layout): each steps evenly on its own
+        dsts += [w13[e, 0], w13[e, 1], w2[e]]
+        srcs += [experts[e, 0, :8], experts[e, 1, :8], experts[e, 2, :, 8:]]
+    loose = [torch.zeros(16, 8, dtype=torch.int16, device=device) for _ in range(6)]
+    dsts += loose  # separate allocations: never one view, gathered or copied one by one
+    srcs += [experts[e, 2, :, :8] for e in range(6)]
+    uneven = torch.zeros(16, 8, 16, dtype=torch.int16, device=device)
+    dsts += [uneven[i] for i in (0, 1, 2, 3, 4, 6, 8, 10, 12, 14)]  # the step changes once
+    srcs += [experts[i, 0, 8:] for i in range(10)]
+    program = CopyProgram(dsts, srcs)
+    # gate, up, down: one copy each; uneven: 0..4 and 4..14 share pair 4, which one takes
+    runs = sorted(d.shape[0] for d, _ in program._solo if d.dim() == 3)
+    assert runs == [5, 5, 40, 40, 40], [tuple(d.shape) for d, _ in program._solo]
+    for step in range(2):
+        flat.add_(step + 1)
+        program.run()
+        for d, s in zip(dsts, srcs, strict=True):
+            assert torch.equal(d.cpu(), s.cpu()), (step, tuple(s.shape))
+    program.close()
+
+
+def test_copy_program_progressions_cpu() -> None:
+    """Pairs of one layout whose addresses step evenly on both sides (expert shards between a
+    flat trainer buffer and fused expert tensors) become one strided copy per run."""
+    _progressions_case("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
+def test_copy_program_progressions_cuda_graph() -> None:
+    _progressions_case("cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
 def test_copy_program_graph_branches() -> None:
@@ -248,8 +292,9 @@ def test_copy_program_graph_branches() -> None:
     experts = torch.randint(-100, 100, (40, 32, 64), dtype=torch.int16, generator=gen).cuda()
     srcs = [f[:, : f.shape[1] // 2] for f in fulls]  # row-parallel shards, 0.5-2.5 MiB
     srcs += [torch.arange(64 * i, 64 * i + 50, dtype=torch.int16).cuda() for i in range(5)]
-    srcs += [e[:, 48:] for e in experts[:20]]  # a RowGather into a slot: no staging
-    srcs += [e[:, :32] for e in experts[20:]]  # into strided places: a staging RowGather
+    order = torch.randperm(40, generator=gen).tolist()  # out of step: not one strided copy
+    srcs += [experts[i, :, 48:] for i in order[:20]]  # a RowGather into a slot: no staging
+    srcs += [experts[i, :, :32] for i in order[20:]]  # into strided places: a staging RowGather
     dsts = [torch.zeros(s.shape, dtype=s.dtype, device="cuda") for s in srcs[:-40]]
     slot = torch.zeros(20, 32, 16, dtype=torch.int16, device="cuda")
     dsts += list(slot)
@@ -314,7 +359,8 @@ def _row_gather_case(device: str, staging: int | None = None) -> None:
     experts = [rand(32, 64).view(torch.bfloat16) for _ in range(40)]
     cube = rand(6, 8, 40)  # 3-D: rows of 16 int16 at two strides
     srcs = [e[:, 32:] for e in experts[:20]]  # packs: rows of 64 bytes -> int64
-    srcs += [cube[i, :, 8:24] for i in range(6)] + [cube[:, 2:5, 24:40]] * 2  # int64 rows
+    # int64 rows; out of order, or the six would step evenly and be one strided copy
+    srcs += [cube[i, :, 8:24] for i in (0, 2, 1, 4, 3, 5)] + [cube[:, 2:5, 24:40]] * 2
     srcs += [e[3:9, 2:8] for e in experts[20:32]]  # rows of 12 bytes -> int32, row 3
     srcs += [e[:4, 5:6] for e in experts[33:]]  # too few of this kind (< 8): one kernel each
     srcs += [rand(100) for _ in range(9)]  # contiguous, 200 bytes: one row of 25 int64
@@ -353,13 +399,27 @@ def _row_gather_case(device: str, staging: int | None = None) -> None:
         }
         assert len(buffers) == 1
         assert all(g.staging_bytes <= common.GATHER_STAGING_BYTES for g in program._gathers)
-    # both sides one block each: a plain copy
+    # both sides one block each: one strided copy (``_progressions``); as a gather (pairs of
+    # separate allocations that happen to be adjacent, which no view may span), one kernel
     whole = rand(900)
     out = torch.zeros_like(whole)
     block = CopyProgram(
         [out[i * 100 : (i + 1) * 100] for i in range(9)],
         [whole[i * 100 : (i + 1) * 100] for i in range(9)],
     )
+    assert not block._gathers and [d.shape[0] for d, _ in block._solo] == [9]
+    block.run()
+    assert torch.equal(out.cpu(), whole.cpu())
+    block.close()
+    out.zero_()
+    common.STRIDE_MIN_PAIRS, saved = 1 << 30, common.STRIDE_MIN_PAIRS
+    try:
+        block = CopyProgram(
+            [out[i * 100 : (i + 1) * 100] for i in range(9)],
+            [whole[i * 100 : (i + 1) * 100] for i in range(9)],
+        )
+    finally:
+        common.STRIDE_MIN_PAIRS = saved
     assert [g.kernels for g in block._gathers] == [1]
     # on CUDA by a kernel: a memcpy refuses a range over two allocations that happen to be
     # adjacent (separately allocated parameters, seen as one block)
@@ -462,8 +522,8 @@ def _row_gather_runs_case(device: str) -> None:
     froms = [whole[i * 32 : (i + 1) * 32] for i in range(n)]
     spaced = torch.zeros(n * 1024 + 256, dtype=torch.bfloat16, device=device)
     tos = [spaced[i * 1024 + 256 * (i >= per_kind) :][:1024].view(32, 32) for i in range(n)]
-    block = CopyProgram(tos, froms)
-    assert len(block._gathers) == 1, len(block._gathers)
+    block = CopyProgram(tos, froms)  # each run steps evenly on both sides: a strided copy
+    assert not block._gathers and [d.shape[0] for d, _ in block._solo] == [per_kind] * 2
     for program in (short, block):
         program.run()
         program.close()
@@ -504,9 +564,10 @@ def test_copy_program_keeps_gathered_memory_and_stages_per_device() -> None:
     full = torch.randn(10, 8, 32)
     out = torch.zeros(10, 8, 32)
     meta = torch.empty(10, 8, 32, device="meta")
+    perm = [3, 0, 7, 1, 9, 2, 5, 8, 4, 6]  # sources out of step: rows gathered
     program = CopyProgram(
         [out[k, :, 16:] for k in range(10)] + [meta[k, :, 16:] for k in range(10)],
-        [full[k, :, :16] for k in range(10)] + [meta[k, :, :16] for k in range(10)],
+        [full[k, :, :16] for k in perm] + [meta[k, :, :16] for k in perm],
         graph=False,
     )
     staged = [g for g in program._gathers if g.staging_bytes]
@@ -514,7 +575,7 @@ def test_copy_program_keeps_gathered_memory_and_stages_per_device() -> None:
         g._staging is not None and g._staging.device.type == "cpu" for g in staged
     )
     program.run()
-    assert torch.equal(out[:, :, 16:], full[:, :, :16])
+    assert torch.equal(out[:, :, 16:], full[perm, :, :16])
 
 
 def test_row_gather_views_and_refusals() -> None:

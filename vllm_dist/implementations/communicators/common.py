@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from vllm_dist.interfaces import WorkerCoordinator
@@ -397,6 +398,8 @@ GRAPH_BRANCHES = 8  # side-by-side branches of a CopyProgram's CUDA graph
 GATHER_MIN_PAIRS = 8  # pairs of one row length that share two kernels (``RowGather``)
 GATHER_STAGING_BYTES = 64 << 20  # rows one RowGather stages at most (a buffer per program)
 GATHER_RUN_BYTES = 256 << 10  # a run of rows this large gets a RowGather of its own (``_runs``)
+STRIDE_MIN_PAIRS = 4  # pairs of one layout in arithmetic progression that become one copy
+STRIDE_MAX_PERIOD = 3  # progressions of every k-th pair of a layout are looked for up to this k
 
 
 class _Kind(NamedTuple):
@@ -475,8 +478,17 @@ def _plan_copies(
     follows from a layout is worked out once per layout (``_kind``), rows are addressed with
     tensor ops, and views are made only of the pairs that end up copied one by one or
     batched (planning view by view took about 30 µs a pair: seconds per sync of a MoE).
+
+    Pairs of one layout whose destinations and sources both step by a constant in one storage
+    each (``_progressions``: expert shards between an inference engine's fused expert tensor
+    and a trainer's flat buffer or a packed slot) first become one strided copy per run.
     """
     solo: list[tuple[torch.Tensor, torch.Tensor]] = []
+    layouts = [
+        (d.dtype, s.dtype, d.shape, s.shape, d.stride(), s.stride(), d.device, s.device)
+        for d, s in zip(dsts, srcs, strict=True)
+    ]
+    taken = _progressions(dsts, srcs, layouts, solo)
     batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     kinds: dict[tuple[Any, ...], _Kind] = {}
     # (device, flat, element size, row length) -> the pairs a RowGather may take, in order
@@ -492,16 +504,10 @@ def _plan_copies(
         lists[1].append(src)
 
     for i, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
-        layout = (
-            dst.dtype,
-            src.dtype,
-            dst.shape,
-            src.shape,
-            dst.stride(),
-            src.stride(),
-            dst.device,
-            src.device,
-        )
+        layout = layouts[i]
+        if i in taken:
+            device = layout[6]
+            continue
         kind = kinds.get(layout)
         if kind is None:
             kind = kinds[layout] = _kind(layout)
@@ -559,6 +565,91 @@ def _plan_copies(
 
 
 _Member = tuple[int, _Kind, int, int]  # (pair index, kind, dst address, src address)
+
+
+def _progressions(
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    layouts: list[tuple[Any, ...]],
+    solo: list[tuple[torch.Tensor, torch.Tensor]],
+) -> set[int]:
+    """Runs of ``STRIDE_MIN_PAIRS`` or more pairs of one layout (in the order given, other
+    layouts between them) whose destinations step by one constant and sources by another,
+    each side within one storage, added to ``solo`` as one strided copy each (a dimension in
+    front); the positions they take. Measured on the 2-core CPU: 100,000 expert shards of 2 KiB
+    from a flat buffer into fused expert tensors, about 100 ms as row gathers, one memcpy's
+    time as 96 strided copies."""
+    by_layout: dict[tuple[Any, ...], list[int]] = {}
+    for i, layout in enumerate(layouts):
+        by_layout.setdefault(layout, []).append(i)
+    taken: set[int] = set()
+    for layout, members in by_layout.items():
+        if len(members) < STRIDE_MIN_PAIRS or layout[0] != layout[1] or layout[6] != layout[7]:
+            continue
+        if not math.prod(layout[2]):
+            continue
+        at = np.array(members, dtype=np.int64)
+        d = np.array([dsts[i].data_ptr() for i in members], dtype=np.int64)
+        s = np.array([srcs[i].data_ptr() for i in members], dtype=np.int64)
+        free = np.ones(len(members), dtype=bool)
+        # every k-th pair too: pairs of two weights of one layout taking turns (an expert's
+        # gate and up projections) step evenly only each on its own
+        for k in range(1, STRIDE_MAX_PERIOD + 1):
+            left = np.flatnonzero(free)
+            for phase in range(k):
+                pick = left[phase::k]
+                for a, b, dstep, sstep in _even_runs(d[pick], s[pick]):
+                    run = at[pick[a:b]].tolist()
+                    pair = _strided_run(dsts, srcs, run, dstep, sstep)
+                    if pair is not None:
+                        solo.append(pair)
+                        taken.update(run)
+                        free[pick[a:b]] = False
+    return taken
+
+
+def _even_runs(d: np.ndarray, s: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """(first, past the last, dst step, src step) of each run of ``STRIDE_MIN_PAIRS`` or more
+    addresses in which both sides step by constants."""
+    if len(d) < STRIDE_MIN_PAIRS:
+        return []
+    dd, ds = np.diff(d), np.diff(s)
+    # a run continues while both steps stay what they were; cut where either changes
+    cuts = np.flatnonzero((dd[1:] != dd[:-1]) | (ds[1:] != ds[:-1])) + 1
+    runs = []
+    start = 0  # the first pair no run has taken (a pair where the steps change ends a run)
+    for a, b in itertools.pairwise([0, *cuts.tolist(), len(dd)]):  # steps a..b-1: pairs a..b
+        first = max(a, start)
+        if b + 1 - first >= STRIDE_MIN_PAIRS:
+            runs.append((first, b + 1, int(dd[a]), int(ds[a])))
+            start = b + 1
+    return runs
+
+
+def _strided_run(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], run: list[int], dstep: int, sstep: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The pairs ``run`` (one layout, addresses stepping by ``dstep`` / ``sstep`` bytes) as
+    one pair of views with a leading dimension, or None where a side leaves its storage or
+    a step is not a positive multiple of the element size."""
+    views = []
+    for side, step in ((dsts, dstep), (srcs, sstep)):
+        first, last = side[run[0]], side[run[-1]]
+        size = first.element_size()
+        if step <= 0 or step % size:
+            return None
+        storage = first.untyped_storage()
+        start = storage.data_ptr()
+        if not start <= last.data_ptr() < start + storage.nbytes():
+            return None  # another allocation: no view of the first one reaches it
+        view = first.as_strided(
+            (len(run), *first.shape), (step // size, *first.stride()), first.storage_offset()
+        )
+        reach = sum((n - 1) * st for n, st in zip(view.shape, view.stride(), strict=True))
+        if (view.storage_offset() + 1 + reach) * size > storage.nbytes():
+            return None
+        views.append(view)
+    return widest_views(views[0], views[1])
 
 
 def _pair_rows(members: list[_Member]) -> tuple[torch.Tensor, torch.Tensor]:
