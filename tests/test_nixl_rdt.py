@@ -294,6 +294,37 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
         return out
 
 
+class MixedStridedTask(GlobalCoordinatorDistributedTask):
+    """Strided reads of a mapped and an unmapped buffer of rank 1 in one request, after the
+    mapped one alone was read into exposed memory (its copy views are cached): every request
+    must land, through NIXL, including the one whose views the cache holds."""
+
+    def post_init_distributed(self, **kwargs: Any) -> Any:
+        comm: Any = self.communicator
+        dev = str(self.device)
+        rank = self.coordinator.get_rank()
+        mapped = shared_empty(64 * 64 * 2, dev).copy_(pattern(64 * 64 * 2, 1, dev))
+        plain = pattern(64 * 64 * 2, 2, dev)
+        local = torch.zeros(2, 64, 32, dtype=torch.int16, device=dev)
+        comm.expose(mapped if rank == 1 else local, "a")
+        if rank == 1:
+            comm.expose(plain, "b")
+        comm.exchange_exposed()
+        out = {}
+        if rank == 0:
+            first = ("a", 2 * 16, (64, 1), local[0])  # columns 16..48 of a 64 x 64 matrix
+            comm.read_strided_async(1, [first]).wait(timeout=30)
+            out["mapped"] = comm.maps_exposed(1, "a") and not comm.maps_exposed(1, "b")
+            local.zero_()
+            comm.read_strided_async(1, [first, ("b", 0, (64, 1), local[1])]).wait(timeout=30)
+            want_a = pattern(64 * 64 * 2, 1).view(torch.int16).view(64, 64)[:, 16:48]
+            want_b = pattern(64 * 64 * 2, 2).view(torch.int16).view(64, 64)[:, :32]
+            out["a"] = torch.equal(local[0].cpu(), want_a)
+            out["b"] = torch.equal(local[1].cpu(), want_b)
+        self.coordinator.barrier()
+        return out
+
+
 class RepeatTask(GlobalCoordinatorDistributedTask):
     """Many transfers of reused and fresh buffers: handles and registrations must not grow."""
 
@@ -333,6 +364,12 @@ def test_one_sided_read_write_many_descriptors_cpu(shared_memory: bool) -> None:
     assert facts[0]["mem_type"] == "DRAM"
     # rank 0 issued the one-sided requests: which path carried them
     assert facts[0]["last_xfer_backend"] == ("shared_memory" if shared_memory else "UCX")
+
+
+@distributed_test(timeout=180)
+def test_strided_reads_of_mapped_and_unmapped_buffers_all_land_cpu() -> None:
+    out = launch(MixedStridedTask)[0]
+    assert out == {"mapped": True, "a": True, "b": True}, out
 
 
 def test_shared_memory_handle_maps_a_cpu_storage() -> None:
