@@ -1233,6 +1233,9 @@ def _strided_vs_packed(shapes: dict[str, Any], device: str, strided: bool | None
             syncs=3,
             shapes=shapes,
             config=config,
+            # DRAM: through NIXL, no mapping (a consumer that maps its producers' memory
+            # gets the strided views of a storage it cannot map packed instead)
+            communicator_options={"timeout": 30.0, "shared_memory": False},
         )
         _assert_verified(results, 3)
         assert summarize(results)["path"] == "read"
@@ -1360,6 +1363,21 @@ def test_read_path_flat_buffer_through_nixl_is_packed_cpu(shapes: dict[str, Any]
     producer, *consumers = _flat_experts(shapes, "cpu", True, shared_memory=False)
     assert all(n > 0 for n in producer), producer
     assert all(all(n > 0 for n in packed) for packed in consumers), consumers
+
+
+@distributed_test(timeout=150)
+def test_read_path_consumers_unpack_from_a_shared_memory_ring_cpu(shapes: dict[str, Any]) -> None:
+    """On the CPU the consumers map the producer's ring (shared memory): what the producer
+    packs (the trainer's own tensors are not in shared memory) they copy straight into their
+    parameters, nothing is unpacked from staging; from the third sync on, replayed; bytes
+    exact."""
+    _needs_nixl()
+    results = _one_to_two("cpu", syncs=4, shapes=shapes, config=_STEADY)
+    _assert_verified(results, 4)
+    assert _replayed(results) == [[False, False, True, True]] * 3
+    producer, *consumers = [[s["packed"] for s in r["syncs"]] for r in results]
+    assert all(n > 0 for n in producer), producer
+    assert consumers == [[0, 0, 0, 0]] * 2, consumers
 
 
 @distributed_test(timeout=150)

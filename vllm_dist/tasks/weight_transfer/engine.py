@@ -1148,8 +1148,11 @@ class WeightProducer(_Engine):
         known = self._exposed_storage(pair, srcs[0])
         if known is None:
             return None
-        if not single and not self._mappable(srcs[0]):
-            return None  # a peer would read it through NIXL, a descriptor per row: packed
+        if (strides is not None or not single) and pair.maps and not self._mappable(srcs[0]):
+            # a consumer that maps its producers' memory reads strided views of this one, which
+            # it cannot map (a DRAM storage out of shared memory), through NIXL: a descriptor
+            # per row (per item of a flat buffer), not what it asked for. Packed instead.
+            return None
         name, desc = known
         offset = srcs[0].data_ptr() - srcs[0].untyped_storage().data_ptr() if single else SPREAD
         plan.inplace = (srcs, name, offset, strides)
