@@ -622,3 +622,20 @@ def test_posted_recv_times_out_as_timeout_error() -> None:
     assert results[0] == "sender"
     assert results[1].startswith("TimeoutError after 0."), results[1]
     assert "within 0.5 s" in results[1]
+
+
+def test_shared_empty_is_in_shared_memory_where_there_is_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU a buffer a peer can map; plain memory where /dev/shm lacks room (a full
+    tmpfs would kill the writer with SIGBUS) and off the CPU."""
+    from vllm_dist.implementations.communicators import common
+
+    buf = common.shared_empty(1 << 20, "cpu")
+    assert buf.dtype == torch.uint8 and buf.numel() == 1 << 20
+    assert buf.untyped_storage().is_shared()
+    buf.fill_(7)  # writable, every page
+    assert int(buf[-1]) == 7
+    monkeypatch.setattr(common, "_shm_room", lambda: 0)
+    assert not common.shared_empty(1 << 20, "cpu").untyped_storage().is_shared()
+    assert common.shared_empty(0, "cpu").numel() == 0

@@ -80,8 +80,12 @@ def shared_empty(nbytes: int, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cpu" or not nbytes or _shm_room() < nbytes + SHM_SPARE_BYTES:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    try:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+    except (AttributeError, RuntimeError):  # a torch without it, or no shared memory here
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     out = torch.empty(0, dtype=torch.uint8)
-    out.set_(torch.UntypedStorage._new_shared(nbytes), 0, (nbytes,), (1,))  # type: ignore[arg-type]
+    out.set_(storage, 0, (nbytes,), (1,))  # type: ignore[arg-type]
     return out
 
 

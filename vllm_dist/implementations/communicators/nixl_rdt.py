@@ -237,7 +237,7 @@ class SharedMemoryHandle:
         try:
             fd, size = storage._share_fd_cpu_()
             st = os.fstat(fd)
-        except (RuntimeError, OSError):  # e.g. shared by file name (the file_system strategy)
+        except (RuntimeError, OSError, AttributeError):  # e.g. shared by file name
             return None
         return SharedMemoryHandle(
             node=_node_id(),
