@@ -125,6 +125,24 @@ def test_mp_env_names_each_workers_rank() -> None:
     assert {r["env"]["VD_TEST_JSON"] for r in results} == {'{"a": {"b": 1}}'}
 
 
+class ThreadsTask(DistributedTask):
+    def run(self, **kwargs: Any) -> tuple[str | None, int]:
+        import torch
+
+        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+@distributed_test()
+def test_mp_workers_get_their_omp_thread_count(monkeypatch) -> None:
+    """torch (and OpenMP) are loaded before the worker's env is set: the count must still take,
+    and as with torchrun a multi-worker launch defaults to one thread per worker."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert MPLauncher(2, timeout=60).launch(task_type=ThreadsTask) == [("1", 1)] * 2
+    env = {"OMP_NUM_THREADS": "1"}  # a single worker gets no default: this one is the env's
+    assert MPLauncher(1, timeout=60, env=env).launch(task_type=ThreadsTask) == [("1", 1)]
+    assert MPLauncher(1, timeout=60).launch(task_type=ThreadsTask)[0][0] is None
+
+
 @distributed_test(timeout=60)
 @pytest.mark.parametrize("mode", ["raise", "exit", "kill"])
 def test_failure_names_rank_and_stops_the_others(make_launcher, mode: str) -> None:

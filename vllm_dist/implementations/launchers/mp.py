@@ -87,6 +87,8 @@ class MPLauncher(Launcher):
         self._master_addr = master_addr
         self._master_port = master_port
         self._env = dict(env or {})
+        if n_tasks > 1 and "OMP_NUM_THREADS" not in self._env | dict(os.environ):
+            self._env["OMP_NUM_THREADS"] = "1"
         self._prefix_output = prefix_output
         self._stop_grace = stop_grace
 
@@ -360,11 +362,21 @@ def _worker_main(
     if out_conn is not None and err_conn is not None:
         _redirect(out_conn, err_conn)
     os.environ.update(worker_env(dict(env), info))
+    _apply_thread_count()
     outcome = run_packed_task(packed, info)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     result_conn.send(outcome)
     result_conn.close()
+
+
+def _apply_thread_count() -> None:
+    """Give torch the ``OMP_NUM_THREADS`` of the worker's env: unpickling the task imported torch
+    (and OpenMP read its environment) before that env was set."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def _die_with_parent(parent_pid: int) -> None:
