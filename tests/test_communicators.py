@@ -639,3 +639,34 @@ def test_shared_empty_is_in_shared_memory_where_there_is_room(
     monkeypatch.setattr(common, "_shm_room", lambda: 0)
     assert not common.shared_empty(1 << 20, "cpu").untyped_storage().is_shared()
     assert common.shared_empty(0, "cpu").numel() == 0
+
+
+def test_share_storages_moves_cpu_storages_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's tensors keep their identity and values and see the new memory (views
+    too); storages under ``min_bytes``, beyond ``max_storages`` (largest first) or not torch's
+    own (numpy's, whose array would be left behind) stay; nothing moves without room."""
+    import numpy as np
+
+    from vllm_dist.implementations.communicators import common
+
+    big = torch.nn.Parameter(torch.arange(4096, dtype=torch.float32))
+    view = big.detach()[10:20]
+    mid = torch.arange(2048, dtype=torch.float32)
+    small = torch.ones(4)
+    array = np.zeros(4096, dtype=np.float32)
+    borrowed = torch.from_numpy(array)
+    before = big.data_ptr()
+    moved = common.share_storages([big, view, mid, small, borrowed], min_bytes=1024, max_storages=1)
+    assert moved == big.untyped_storage().nbytes()
+    assert big.untyped_storage().is_shared() and big.data_ptr() != before
+    assert torch.equal(big.detach(), torch.arange(4096, dtype=torch.float32))
+    big.data.add_(1)  # the view is of the moved storage: it sees the trainer's writes
+    assert view.tolist() == [float(i + 1) for i in range(10, 20)]
+    assert not mid.untyped_storage().is_shared()  # over max_storages (the smaller one)
+    assert common.share_storages([mid, small], min_bytes=1024) == mid.untyped_storage().nbytes()
+    assert not small.untyped_storage().is_shared()  # under min_bytes
+    assert common.share_storages([borrowed]) == 0 and not borrowed.untyped_storage().is_shared()
+    borrowed.fill_(3)
+    assert array[0] == 3  # still the array's memory
+    monkeypatch.setattr(common, "_shm_room", lambda: 0)
+    assert common.share_storages([small]) == 0 and not small.untyped_storage().is_shared()

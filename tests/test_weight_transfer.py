@@ -1368,7 +1368,7 @@ def test_read_path_flat_buffer_through_nixl_is_packed_cpu(shapes: dict[str, Any]
 @distributed_test(timeout=150)
 def test_read_path_consumers_unpack_from_a_shared_memory_ring_cpu(shapes: dict[str, Any]) -> None:
     """On the CPU the consumers map the producer's ring (shared memory): what the producer
-    packs (the trainer's own tensors are not in shared memory) they copy straight into their
+    packs (weights too small to travel alone, and all of sync 1) they copy straight into their
     parameters, nothing is unpacked from staging; from the third sync on, replayed; bytes
     exact."""
     _needs_nixl()
@@ -1378,6 +1378,25 @@ def test_read_path_consumers_unpack_from_a_shared_memory_ring_cpu(shapes: dict[s
     producer, *consumers = [[s["packed"] for s in r["syncs"]] for r in results]
     assert all(n > 0 for n in producer), producer
     assert consumers == [[0, 0, 0, 0]] * 2, consumers
+
+
+@distributed_test(timeout=200)
+def test_read_path_trainer_weights_move_to_shared_memory_cpu(shapes: dict[str, Any]) -> None:
+    """``share_cpu_weights`` (the default): at set-up the producer moves the trainer's storages
+    large enough to hold an item that travels alone into shared memory, in place, and the
+    consumers map them: row-parallel slices are read in place instead of packed. The weights,
+    rewritten in place every sync through the trainer's own tensors, stay byte-exact. Off:
+    nothing moves and the producer packs more."""
+    _needs_nixl()
+    producers = {}
+    for share in (True, False):
+        config = replace(_STEADY, share_cpu_weights=share)
+        results = _one_to_two("cpu", syncs=4, shapes=shapes, config=config)
+        _assert_verified(results, 4)
+        producers[share] = results[0]
+    on, off = producers[True], producers[False]
+    assert on["shared_bytes"] > 0 and off["shared_bytes"] == 0, (on, off)
+    assert on["syncs"][-1]["packed"] < off["syncs"][-1]["packed"], (on["syncs"], off["syncs"])
 
 
 @distributed_test(timeout=150)

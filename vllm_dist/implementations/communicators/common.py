@@ -89,6 +89,47 @@ def shared_empty(nbytes: int, device: torch.device | str) -> torch.Tensor:
     return out
 
 
+def share_storages(
+    tensors: Iterable[torch.Tensor], *, min_bytes: int = 0, max_storages: int | None = None
+) -> int:
+    """Move the DRAM storages behind ``tensors`` into shared memory, in place, so that a
+    same-node peer can map them (what ``torch.multiprocessing`` does to a CPU tensor it sends).
+
+    Every tensor and view of a moved storage keeps its values and sees the new memory; only
+    data pointers taken before the move go stale. Storages of at least ``min_bytes`` move, the
+    largest first, up to ``max_storages`` (each keeps a file descriptor open; default: a quarter
+    of the soft open-file limit, at most 4096) and half the free room of ``/dev/shm`` beyond
+    ``SHM_SPARE_BYTES``.
+    Storages that are already shared, on another device or not torch's own (not resizable, such
+    as ``torch.from_numpy``'s, whose array would be left behind) stay as they are. Returns the
+    bytes moved.
+    """
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if tensor.device.type != "cpu" or not nbytes or nbytes < min_bytes or storage.is_shared():
+            continue
+        if storage.resizable():  # not: memory torch does not own (numpy's) would be left behind
+            storages.setdefault(storage.data_ptr(), storage)
+    if max_storages is None:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        max_storages = min(4096, (soft if soft != resource.RLIM_INFINITY else 16384) // 4)
+    room = (_shm_room() - SHM_SPARE_BYTES) // 2
+    moved = 0
+    for storage in sorted(storages.values(), key=lambda s: -s.nbytes())[:max_storages]:
+        if moved + storage.nbytes() > room:
+            continue
+        try:
+            storage._share_fd_cpu_()  # in place: the storage's memory becomes a shared-memory fd
+        except (RuntimeError, AttributeError):
+            continue
+        moved += storage.nbytes()
+    return moved
+
+
 def _shm_room() -> int:
     try:
         st = os.statvfs("/dev/shm")

@@ -74,6 +74,7 @@ import torch
 from vllm_dist.implementations.communicators.common import (
     CopyProgram,
     batched_copy,
+    share_storages,
     shared_empty,
 )
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
@@ -181,6 +182,16 @@ class TransferConfig:
             copy where a read into a staging slot and an unpack were two (on one GPU, a sync
             of many small weights makes three passes over the bytes: pack, read, unpack; this
             leaves two). False: read into staging, then unpack.
+        share_cpu_weights: READ path on the CPU, producer side. Where a consumer maps its
+            producers' memory (``NixlOptions.shared_memory``), the producer moves its
+            source's DRAM storages into shared memory once, at set-up, before anything is
+            planned (``share_storages``: in place, the trainer's tensors keep their values
+            and identity, as ``torch.multiprocessing`` does to a CPU tensor it sends), so
+            consumers read large weights in place with a memcpy instead of through NIXL
+            (storages smaller than ``direct_bytes`` hold only packed items and stay).
+            Tensors the trainer puts in new storage later are read through NIXL again, and a
+            consumer admitted after set-up moves nothing. False: leave the trainer's memory
+            alone.
         replay: READ path, producers with a resident source. A sync in which every tensor is
             where it was last sync runs as a replay of that sync: one message per consumer, no
             per-chunk work (module docstring, "Steady state"). False: every sync chunk by
@@ -205,6 +216,7 @@ class TransferConfig:
     transport: str = "auto"
     strided_reads: bool | None = None
     mapped_unpack: bool = True
+    share_cpu_weights: bool = True
     replay: bool = True
     push_threads: bool | None = None
 
@@ -519,6 +531,7 @@ class WeightProducer(_Engine):
             raise ValueError(f"rank {rank} is not a producer of {fleet}")
         self.producer_id = fleet.producer_ranks.index(rank)
         self.source = source
+        self.shared_bytes = 0  # share_cpu_weights: source bytes moved into shared memory
         self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
         self._source_names: dict[tuple[int, int], tuple[str, Any]] = {}  # exposed sources
         self._generation = 0  # serve rings exposed by ``admit``
@@ -559,10 +572,28 @@ class WeightProducer(_Engine):
         _gather_verdicts(self.coordinator, error)
         self._build_schedule()
         self._phase("verdicts, schedule")
+        self._share_weights()
         if self._read:
             self._expose_rings()
             self._phase("expose")
         self.setup_seconds = time.perf_counter() - start
+
+    def _share_weights(self) -> None:
+        """``TransferConfig.share_cpu_weights``: at set-up, before any address is recorded."""
+        if not (
+            self._read
+            and self.config.share_cpu_weights
+            and self.communicator.device.type == "cpu"
+            and self.source.resident
+            and any(pair.maps for pair in self._pairs.values())
+        ):
+            return
+        names = sorted({name for pair in self._pairs.values() for name in pair.names})
+        tensors = self.source.current(names)
+        if tensors is not None:
+            # a storage smaller than an item that travels alone holds only packed items
+            self.shared_bytes = share_storages(tensors, min_bytes=self.layout.direct_bytes)
+            self._phase("share weights")
 
     def _expose_rings(self) -> None:
         """Expose every serve ring once; collective with the consumers' ``_connect_read``."""

@@ -144,6 +144,7 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
             engine.close()
         result = self._result("producer", pid, engine.setup_seconds, stats, outputs)
         result["setup_phases"] = engine.setup_phases
+        result["shared_bytes"] = engine.shared_bytes
         if engine.trace is not None:
             result["trace"] = engine.trace
         return result
