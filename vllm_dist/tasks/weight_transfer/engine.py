@@ -950,30 +950,53 @@ class WeightProducer(_Engine):
                 return False
         return True
 
-    def _replay_packs(self) -> bool:
+    def _replay_packs(self) -> dict[int, Waitable | None]:
         """Launch every pair's recorded packs (the programs of its chunks merged into one:
-        one CUDA graph on a GPU); whether there were any."""
-        packed = False
-        for pair in self._pairs.values():
+        one CUDA graph on a GPU); the consumers that had packs, each with the handle of its
+        packs where they run on a thread of their own (None: done, or queued on the GPU).
+
+        On the CPU, with more than one consumer's packs, each runs on its pair's thread but the
+        first, which this thread runs after launching the others: a copy releases the GIL, so
+        the packs share the cores their consumers leave idle while they wait for their slots
+        (measured on 2 cores: 100,000 MoE tensors for two consumers, 147 ms one after another,
+        about 90 ms side by side)."""
+        runs: list[tuple[int, _Pair, CopyProgram]] = []
+        for cid, pair in self._pairs.items():
             rec = pair.replay
             if rec is not None and rec.programs:
                 if rec.prepared is None:
                     rec.prepared = CopyProgram.merged(rec.programs)
-                rec.prepared.run()
-                packed = True
-        return packed
+                runs.append((cid, pair, rec.prepared))
+        handles: dict[int, Waitable | None] = {}
+        spread = self.communicator.device.type == "cpu"
+        for cid, pair, program in runs[1:] if spread else ():
+            if pair.worker is None:  # the READ path has no sender thread: this one packs
+                pair.worker = SerialWorker(f"wt-pack-c{cid}")
+            handles[cid] = pair.worker.submit(program.run)
+        for cid, _pair, program in runs if not spread else runs[:1]:
+            program.run()
+            handles[cid] = None
+        return handles
 
     def _replay(
-        self, start: float, opened: Mapping[int, Mapping[str, torch.Tensor]], packed: bool
+        self,
+        start: float,
+        opened: Mapping[int, Mapping[str, torch.Tensor]],
+        packs: dict[int, Waitable | None],
     ) -> SyncStats:
         """The steady state: every source is where it was, so every chunk is too. The recorded
-        packs ran as one program per consumer, each consumer gets one message for the whole sync and
-        answers once it has read everything; no per-chunk work on this side."""
+        packs ran as one program per consumer, each consumer gets one message for the whole
+        sync, as soon as its packs are through, and answers once it has read everything; no
+        per-chunk work on this side."""
         self._mark("replay")
         pairs = [(cid, pair, pair.replay) for cid, pair in self._pairs.items() if pair.replay]
-        if packed:
+        if packs:
             device_synchronize(self.communicator.device)
-        for _, pair, _ in pairs:
+        for cid, pair, _ in pairs:
+            handle = packs.get(cid)
+            if handle is not None:
+                what = f"producer {self.producer_id}: packs of the replayed sync for consumer {cid}"
+                wait_or_stall(handle, self.config.stall_timeout, what)
             self._tell(pair, replay_message(self._syncs), "the replayed sync")
         self._mark("told")
         for cid, pair, rec in pairs:
