@@ -669,6 +669,7 @@ def test_share_storages_moves_cpu_storages_in_place(monkeypatch: pytest.MonkeyPa
     assert common.share_storages([mid, small], min_bytes=1024) == mid.untyped_storage().nbytes()
     assert not small.untyped_storage().is_shared()  # under min_bytes
     assert common.share_storages([borrowed]) == 0 and not borrowed.untyped_storage().is_shared()
+    assert common.share_storages([mid.to_sparse()]) == 0  # no storage of its own to move
     borrowed.fill_(3)
     assert array[0] == 3  # still the array's memory
     monkeypatch.setattr(common, "_shm_room", lambda: 0)

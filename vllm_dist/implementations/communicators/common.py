@@ -100,17 +100,21 @@ def share_storages(
     largest first, up to ``max_storages`` (each keeps a file descriptor open; default: a quarter
     of the soft open-file limit, at most 4096) and half the free room of ``/dev/shm`` beyond
     ``SHM_SPARE_BYTES``.
-    Storages that are already shared, on another device or not torch's own (not resizable, such
-    as ``torch.from_numpy``'s, whose array would be left behind) stay as they are. Returns the
-    bytes moved.
+    Storages that are already shared, on another device, pinned, or not torch's own (not
+    resizable, such as ``torch.from_numpy``'s, whose array would be left behind) stay as they
+    are, as do tensors that are not strided (sparse, MKL-DNN). Returns the bytes moved.
     """
     storages: dict[int, torch.UntypedStorage] = {}
     for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.layout is not torch.strided:
+            continue
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if tensor.device.type != "cpu" or not nbytes or nbytes < min_bytes or storage.is_shared():
+        if not nbytes or nbytes < min_bytes or storage.is_shared():
             continue
-        if storage.resizable():  # not: memory torch does not own (numpy's) would be left behind
+        # not memory torch does not own (numpy's would be left behind), nor pinned memory (the
+        # trainer's host-to-device copies would lose their speed)
+        if storage.resizable() and not tensor.is_pinned():
             storages.setdefault(storage.data_ptr(), storage)
     if max_storages is None:
         import resource
