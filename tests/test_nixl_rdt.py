@@ -248,7 +248,8 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
         big = torch.empty(2 << 20, dtype=torch.uint8, device=dev)
         cols = torch.empty(1024, 1000, dtype=torch.int16, device=dev)  # a column slice
         out: dict[str, Any] = {}
-        prepared = None
+        prepared = merged = None
+        parts: list[Any] = []
         if rank == 0:
             prepared = comm.prepare_reads(
                 1,
@@ -256,6 +257,14 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
                 + ([("plain", 96, tail)] if plain else []),
                 [("weights", 200, (4096, 1), cols)],
             )
+            # the same reads as two sets merged into one (what a first replay does on the CPU):
+            # only sets of copies on a mapping merge
+            parts = [
+                comm.prepare_reads(1, [("weights", 7, small), ("weights", 5 << 20, big)], []),
+                comm.prepare_reads(1, [], [("weights", 200, (4096, 1), cols)]),
+            ]
+            merged = comm.merge_prepared(1, parts)
+            out["merged"] = merged is not None
         for i in range(rounds):
             if rank == 1:
                 buf.copy_(pattern(nbytes, 100 + i, dev))
@@ -271,6 +280,13 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
                 assert torch.equal(cols.cpu(), matrix[:, 100:1100]), i
                 if plain:
                     assert torch.equal(tail.cpu(), pattern(4096, 200 + i)[96:1096]), i
+                if merged is not None:
+                    for t in (small, big, cols):
+                        t.zero_()
+                    merged.post().wait(timeout=30)
+                    assert torch.equal(small.cpu(), ref[7:340])
+                    assert torch.equal(big.cpu(), ref[5 << 20 : 7 << 20])
+                    assert torch.equal(cols.cpu(), matrix[:, 100:1100]), i
             self.coordinator.barrier()
         if prepared is not None:
             out["mapped"] = comm.maps_exposed(1, "weights")
@@ -287,6 +303,9 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
         if prepared is not None:
             out["open"] = comm.stats()
             out["graphed"] = prepared.graphed
+            for other_set in [*parts, merged]:
+                if other_set is not None:
+                    other_set.close()
             prepared.close()
             prepared.close()  # idempotent
             out["closed"] = comm.stats()
@@ -581,10 +600,12 @@ def test_ray_rdt_version_guard() -> None:
 def test_prepared_reads_are_reposted_cpu(shared_memory: bool, plain: bool) -> None:
     """Through NIXL: one request built once and reposted every round; close releases it. On a
     shared-memory mapping: copies, no NIXL request at all. Both in one set: the request for
-    the unmapped buffer and copies for the mapped one, posted together."""
+    the unmapped buffer and copies for the mapped one, posted together. Sets of copies on a
+    mapping merge into one (``merge_prepared``) that lands the same bytes; NIXL sets do not."""
     options = {"timeout": 30.0, "shared_memory": shared_memory}
     out = launch(PreparedReadsTask, options=options, plain=plain)[0]
     assert not out["graphed"] and out["mapped"] is shared_memory
+    assert out["merged"] is shared_memory  # merged: copies on the shared-memory mapping only
     nixl = plain or not shared_memory
     assert out["open"]["live_xfer_handles"] == int(nixl)
     assert out.get("rebuilt", False) is nixl

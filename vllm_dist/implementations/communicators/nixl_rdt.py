@@ -516,6 +516,16 @@ class _PreparedCopies(PreparedReads):
         pairs = [(d, s) for d, s, n in copies if n]  # byte views are sliced to n already
         self._program = CopyProgram([d for d, _ in pairs], [s for _, s in pairs], graph=graphs)
 
+    @classmethod
+    def merged(
+        cls, comm: NixlRdtCommunicator, peer: int, sets: list[_PreparedCopies]
+    ) -> _PreparedCopies:
+        """One set of what ``sets`` copy, planned by none (``CopyProgram.merged``)."""
+        self = cls.__new__(cls)
+        PreparedReads.__init__(self, comm, peer, sets[0]._what)
+        self._program = CopyProgram.merged([p._program for p in sets], graph=False)
+        return self
+
     def _post(self) -> NixlTransfer:
         self._program.run()
         return self._comm._copied(self._what)
@@ -1095,6 +1105,19 @@ class NixlRdtCommunicator(DeviceCommunicator):
             )[0]
             sets.insert(0, _PreparedXfer(self, peer, [*pieces, *s_pieces]))
         return sets[0] if len(sets) == 1 else _PreparedBoth(self, peer, sets)
+
+    def merge_prepared(self, peer: int, sets: Sequence[PreparedReads]) -> PreparedReads | None:
+        """One prepared set that does what ``sets`` (prepared here for ``peer``) do, planned
+        by none: on the CPU, where every set is copies on a mapping, their ``CopyProgram``s
+        merged (measured on 2 cores: 100,000 expert reads from a shared-memory ring, about 3.5 s
+        prepared afresh). None otherwise (a NIXL request, or CUDA, where one graph of every
+        copy, from ``prepare_reads``, replays cheaper than a graph per set): prepare afresh.
+        The sets must not be posted while the merged one is in flight."""
+        self._check_peer(peer)
+        copies = [p for p in sets if isinstance(p, _PreparedCopies) and p._peer == peer]
+        if self._device.type != "cpu" or not copies or len(copies) != len(sets):
+            return None
+        return _PreparedCopies.merged(self, peer, copies)
 
     @property
     def maps_peer_memory(self) -> bool:

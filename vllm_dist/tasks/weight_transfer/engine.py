@@ -356,6 +356,10 @@ class _Replay:
     prepared: Any = None  # producer: a CopyProgram of the packs; consumer: the prepared reads
     unpack: CopyProgram | None = None  # consumer: the unpacks
     slots: set[tuple[int, int]] = field(default_factory=set)  # consumer: staging slots used
+    # consumer: the prepared sets of chunks read item by item (``_gather``) and how many of
+    # ``strided`` they read: when they read all of it, the first replay merges them
+    sets: list[Any] = field(default_factory=list)
+    gathered: int = 0
 
     def close(self) -> None:
         _close(self.prepared)
@@ -1221,12 +1225,15 @@ class WeightProducer(_Engine):
 
     def _exposed_storage(self, pair: _Pair, view: torch.Tensor) -> tuple[str, Any] | None:
         """(exposed name, descriptor the first time this consumer hears of it, else None) of
-        ``view``'s storage, exposing it if it was there last sync; None if it is new."""
+        ``view``'s storage, exposing it if it was there last sync or the source vouches that
+        its tensors stay where they are (``WeightSource.in_place``); None if it is new: a
+        storage met once (a trainer that puts its weights in new tensors every step) is
+        packed, never registered."""
         storage = view.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         known = self._source_names.get(key)
         if known is None:
-            if key not in self._seen_sources[0]:
+            if key not in self._seen_sources[0] and not self.source.in_place:
                 self._seen_sources[1].add(key)
                 if pair.replay is not None:
                     pair.replay.ok = False  # read in place next sync: not a state to repeat
@@ -2273,12 +2280,22 @@ class WeightConsumer(_Engine):
             return False
         self._check_replay(msg, what)
         if rec.prepared is None:
+            rec.prepared = self._merged_reads(pair.peer_rank, rec)
+        if rec.prepared is None:
             rec.prepared = self._prepare_reads(pair.peer_rank, rec)
         self._mark(f"replay {pair.peer_rank}")
         posted = rec.prepared.post()
         self._replaying[p] = posted if isinstance(posted, list) else [posted]
         self._replayed_from.add(p)
         return True
+
+    def _merged_reads(self, peer: int, rec: _Replay) -> Any:
+        """The recorded reads as the chunks' own prepared sets merged (nothing planned again;
+        ``merge_prepared``), where those sets are all of them; else None."""
+        merge = getattr(self.communicator, "merge_prepared", None)
+        if merge is None or rec.plain or not rec.sets or rec.gathered != len(rec.strided):
+            return None
+        return merge(peer, rec.sets)
 
     def _prepare_reads(self, peer: int, rec: _Replay) -> Any:
         prepare = getattr(self.communicator, "prepare_reads", None)
@@ -2409,9 +2426,12 @@ class WeightConsumer(_Engine):
             rec = self._recording[chunk.producer]
             gather = self._gather(j, ann)
             if gather is not None:
-                posted = self._gathers[j][2].post()
+                prepared = self._gathers[j][2]
+                posted = prepared.post()
                 handles += posted if isinstance(posted, list) else [posted]
                 rec.strided += gather
+                rec.sets.append(prepared)
+                rec.gathered += len(gather)
                 continue
             route = self._route(j, ann)
             if route is not None:

@@ -72,6 +72,13 @@ class WeightSource(ABC):
         address, and then run the whole sync as the last one (one message per consumer)."""
         return False
 
+    @property
+    def in_place(self) -> bool:
+        """Whether the trainer writes these tensors only in place (``StateDictSource(in_place=
+        True)``): their storages are then exposed for in-place reads the first time a sync
+        meets them rather than the second, so the first sync is already one to replay."""
+        return False
+
     def current(self, names: Sequence[str]) -> list[torch.Tensor] | None:
         """The tensors behind ``names`` as the source holds them now, without opening anything
         (no gather, no detach), or None when it cannot say that cheaply.
@@ -288,6 +295,10 @@ class StateDictSource(WeightSource):
     @property
     def resident(self) -> bool:
         return True
+
+    @property
+    def in_place(self) -> bool:
+        return self._in_place
 
 
 def stage_names(names: Sequence[str], num_stages: int, stage: int) -> list[str]:
