@@ -501,6 +501,14 @@ def _settled(xfer: NixlTransfer) -> bool:
         return True
 
 
+def _typed(mapped: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``mapped`` (uint8) seen as ``dtype`` whole, or None where its size or offset forbid."""
+    try:
+        return mapped.view(dtype)
+    except RuntimeError:
+        return None
+
+
 class _PreparedCopies(PreparedReads):
     """Copies on mappings, one ``CopyProgram`` (on CUDA IPC a CUDA graph at the first post)."""
 
@@ -1401,6 +1409,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         mapped here and ``maps``, ([], copies)."""
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [] if maps else None
         checked = []
+        typed_maps: dict[tuple[int, torch.dtype], torch.Tensor | None] = {}
         for i, (remote_name, off, stride, local) in enumerate(requests):
             remote = self._remote_buffer(peer, remote_name)
             key = None
@@ -1439,7 +1448,13 @@ class NixlRdtCommunicator(DeviceCommunicator):
             if mapped is None:
                 copies = None
             elif copies is not None and extent:
-                theirs = mapped[off : off + extent].view(local.dtype).as_strided(size, stride)
+                typed = typed_maps.get((id(mapped), local.dtype))
+                if typed is None:  # the whole mapping as this dtype, once per call
+                    typed = typed_maps[(id(mapped), local.dtype)] = _typed(mapped, local.dtype)
+                if typed is not None:  # one view op, not three: 100,000 items per sync
+                    theirs = typed.as_strided(size, stride, typed.storage_offset() + off // item)
+                else:
+                    theirs = mapped[off : off + extent].view(local.dtype).as_strided(size, stride)
                 mine, theirs = widest_views(local, theirs)
                 copies.append((mine, theirs, extent))
                 if key is not None and self._is_exposed(local):  # kept alive by its exposure
