@@ -113,8 +113,10 @@ def share_storages(
         if not nbytes or nbytes < min_bytes or storage.is_shared():
             continue
         # not memory torch does not own (numpy's would be left behind), nor pinned memory (the
-        # trainer's host-to-device copies would lose their speed)
-        if storage.resizable() and not tensor.is_pinned():
+        # trainer's host-to-device copies would lose their speed; only a process that started
+        # CUDA has any, and asking elsewhere would start it)
+        pinned = torch.cuda.is_initialized() and tensor.is_pinned()
+        if storage.resizable() and not pinned:
             storages.setdefault(storage.data_ptr(), storage)
     if max_storages is None:
         import resource

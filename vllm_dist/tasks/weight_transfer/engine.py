@@ -588,7 +588,7 @@ class WeightProducer(_Engine):
             self._read
             and self.config.share_cpu_weights
             and self.communicator.device.type == "cpu"
-            and self.source.resident
+            and self._resident
             and any(pair.maps for pair in self._pairs.values())
         ):
             return
@@ -1233,7 +1233,7 @@ class WeightProducer(_Engine):
         key = (storage.data_ptr(), storage.nbytes())
         known = self._source_names.get(key)
         if known is None:
-            if key not in self._seen_sources[0] and not self.source.in_place:
+            if key not in self._seen_sources[0] and not getattr(self.source, "in_place", False):
                 self._seen_sources[1].add(key)
                 if pair.replay is not None:
                     pair.replay.ok = False  # read in place next sync: not a state to repeat
