@@ -431,8 +431,12 @@ def _row_gather_case(device: str, staging: int | None = None) -> None:
     assert torch.equal(out.cpu(), whole.cpu())
     block.close()
     # split: 8 experts a part, the last 4 alone
-    assert len(program._solo) == 7 + 4 * split and len(unpack._solo) == 4 * split
-    assert len(unpack._gathers) == 1 + split
+    assert len(program._solo) == 7 + 4 * split
+    if device == "cpu":  # the unpack's sources step evenly through the slot: one index_copy_
+        assert [type(g).__name__ for g in unpack._gathers] == ["IndexedCopy"], unpack._gathers
+        assert not unpack._solo
+    else:
+        assert len(unpack._solo) == 4 * split and len(unpack._gathers) == 1 + split
     for step in range(3):
         program.run()
         unpack.run()
@@ -646,8 +650,11 @@ def test_shared_empty_is_in_shared_memory_where_there_is_room(
 
 def test_share_storages_moves_cpu_storages_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer's tensors keep their identity and values and see the new memory (views
-    too); storages under ``min_bytes``, beyond ``max_storages`` (largest first) or not torch's
-    own (numpy's, whose array would be left behind) stay; nothing moves without room."""
+    too), all in one shared-memory arena laid out in the order given; storages under
+    ``min_bytes``, already moved, or not torch's own (numpy's, whose array would be left
+    behind) stay; nothing moves without room; the arena goes once its storages are gone."""
+    import gc
+
     import numpy as np
 
     from vllm_dist.implementations.communicators import common
@@ -659,18 +666,76 @@ def test_share_storages_moves_cpu_storages_in_place(monkeypatch: pytest.MonkeyPa
     array = np.zeros(4096, dtype=np.float32)
     borrowed = torch.from_numpy(array)
     before = big.data_ptr()
-    moved = common.share_storages([big, view, mid, small, borrowed], min_bytes=1024, max_storages=1)
-    assert moved == big.untyped_storage().nbytes()
-    assert big.untyped_storage().is_shared() and big.data_ptr() != before
+    moved = common.share_storages([mid, big, view, small, borrowed], min_bytes=1024)
+    assert moved == big.untyped_storage().nbytes() + mid.untyped_storage().nbytes()
+    arena = common.shared_arena(big.data_ptr())
+    assert arena is not None and arena.untyped_storage().is_shared() and big.data_ptr() != before
+    # in the order given, a cache line apart at least: mid first, then big
+    assert mid.data_ptr() == arena.data_ptr() and big.data_ptr() == arena.data_ptr() + 8192
+    assert common.shared_arena(arena.data_ptr() + arena.numel()) is None  # past its end
     assert torch.equal(big.detach(), torch.arange(4096, dtype=torch.float32))
+    assert torch.equal(mid, torch.arange(2048, dtype=torch.float32))
     big.data.add_(1)  # the view is of the moved storage: it sees the trainer's writes
     assert view.tolist() == [float(i + 1) for i in range(10, 20)]
-    assert not mid.untyped_storage().is_shared()  # over max_storages (the smaller one)
-    assert common.share_storages([mid, small], min_bytes=1024) == mid.untyped_storage().nbytes()
-    assert not small.untyped_storage().is_shared()  # under min_bytes
-    assert common.share_storages([borrowed]) == 0 and not borrowed.untyped_storage().is_shared()
+    assert arena[8192 + 40 : 8192 + 44].view(torch.float32).item() == 11.0  # so does the arena
+    assert common.shared_arena(small.data_ptr()) is None  # under min_bytes
+    assert common.share_storages([mid, big]) == 0  # already in an arena: they stay
+    assert common.share_storages([borrowed]) == 0
+    assert common.shared_arena(array.ctypes.data) is None
     assert common.share_storages([mid.to_sparse()]) == 0  # no storage of its own to move
     borrowed.fill_(3)
     assert array[0] == 3  # still the array's memory
+    # its place in the arena is all a moved storage has: as torch.frombuffer's, it cannot grow
+    with pytest.raises(RuntimeError, match="not resizable"):
+        mid.resize_(4096)
     monkeypatch.setattr(common, "_shm_room", lambda: 0)
-    assert common.share_storages([small]) == 0 and not small.untyped_storage().is_shared()
+    assert common.share_storages([small]) == 0 and common.shared_arena(small.data_ptr()) is None
+    monkeypatch.undo()
+    start = arena.data_ptr()
+    del big, view, mid, arena
+    gc.collect()
+    common.share_storages([])  # prunes the arenas whose storages all died
+    assert common.shared_arena(start) is None
+
+
+def test_copy_program_indexed_copy_cpu() -> None:
+    """On the CPU, pairs of one layout whose sources step evenly through one storage and whose
+    destinations lie anywhere (expert shards from a trainer's arena into tensors of their own)
+    are one ``IndexedCopy`` (one index_copy_, 16-byte elements where the layout allows);
+    every byte lands where ``copy_`` puts it (random bits: NaN payloads included); sources
+    in separate allocations take the other paths."""
+    from vllm_dist.implementations.communicators.common import CopyProgram, IndexedCopy
+
+    gen = torch.Generator().manual_seed(3)
+    flat = torch.randint(-(1 << 15), 1 << 15, (30 * 3 * 2048,), dtype=torch.int16, generator=gen)
+    experts = flat.view(torch.bfloat16).view(30, 3, 64, 32)
+    gate = [torch.zeros(32, 32, dtype=torch.bfloat16) for _ in range(30)]
+    down = [torch.zeros(64, 16, dtype=torch.bfloat16) for _ in range(30)]
+    odd = [torch.zeros(5, 3, dtype=torch.bfloat16) for _ in range(30)]  # 6-byte rows: int16
+    dsts = [*gate, *down, *odd]
+    srcs = [experts[e, 0, :32] for e in range(30)]  # contiguous 2 KiB, 12 KiB apart
+    srcs += [experts[e, 2, :, 16:] for e in range(30)]  # column shards: rows of 32 bytes
+    srcs += [experts[e, 1, 7:12, 3:6] for e in range(30)]
+    program = CopyProgram(dsts, srcs)
+    gathers = [g for g in program._gathers if isinstance(g, IndexedCopy)]
+    assert len(gathers) == len(program._gathers) == 3 and not program._solo
+    kinds = sorted((str(g._source.dtype), tuple(g._source.shape)) for g in gathers)
+    assert kinds == [
+        ("torch.complex128", (30, 32, 4)),  # 64-byte rows: 4 16-byte elements each
+        ("torch.complex128", (30, 64, 2)),  # column shards: rows of 32 bytes
+        ("torch.int16", (30, 5, 3)),
+    ], kinds
+    for step in range(2):
+        program.run()
+        for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
+            assert torch.equal(d.view(torch.int16), s.view(torch.int16)), (step, i)
+        flat.add_(7)
+    program.close()
+    # sources in separate allocations that happen to step evenly: never one view
+    loose = [torch.ones(64, dtype=torch.int16) for _ in range(12)]
+    out = [torch.zeros(64, dtype=torch.int16) for _ in range(12)]
+    apart = CopyProgram(out, loose)
+    assert not any(isinstance(g, IndexedCopy) for g in apart._gathers)
+    apart.run()
+    assert all(bool((o == 1).all()) for o in out)
+    apart.close()

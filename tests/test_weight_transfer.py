@@ -1146,6 +1146,7 @@ def test_read_path_one_announcement_per_sync(shapes: dict[str, Any]) -> None:
         max_chunk_bytes=8192,
         direct_bytes=4096,
         announce_bytes=1 << 40,
+        share_cpu_weights=False,  # else every chunk is read in place from the trainer's arena
     )
     results = _launch(
         3,
@@ -1370,9 +1371,10 @@ def test_read_path_consumers_unpack_from_a_shared_memory_ring_cpu(shapes: dict[s
     """On the CPU the consumers map the producer's ring (shared memory): what the producer
     packs (weights too small to travel alone, and all of sync 1) they copy straight into their
     parameters, nothing is unpacked from staging; from the third sync on, replayed; bytes
-    exact."""
+    exact. (The trainer's weights stay where they are: in an arena, nothing would be packed.)"""
     _needs_nixl()
-    results = _one_to_two("cpu", syncs=4, shapes=shapes, config=_STEADY)
+    config = replace(_STEADY, share_cpu_weights=False)
+    results = _one_to_two("cpu", syncs=4, shapes=shapes, config=config)
     _assert_verified(results, 4)
     assert _replayed(results) == [[False, False, True, True]] * 3
     producer, *consumers = [[s["packed"] for s in r["syncs"]] for r in results]
@@ -1383,10 +1385,10 @@ def test_read_path_consumers_unpack_from_a_shared_memory_ring_cpu(shapes: dict[s
 @distributed_test(timeout=200)
 def test_read_path_trainer_weights_move_to_shared_memory_cpu(shapes: dict[str, Any]) -> None:
     """``share_cpu_weights`` (the default): at set-up the producer moves the trainer's storages
-    large enough to hold an item that travels alone into shared memory, in place, and the
-    consumers map them: row-parallel slices are read in place instead of packed. The weights,
-    rewritten in place every sync through the trainer's own tensors, stay byte-exact. Off:
-    nothing moves and the producer packs more."""
+    into one shared-memory arena, in place, and the consumers map it: every chunk, small
+    weights' included, is read in place and nothing is packed. The weights, rewritten in
+    place every sync through the trainer's own tensors, stay byte-exact. Off: nothing moves
+    and the producer packs."""
     _needs_nixl()
     producers = {}
     for share in (True, False):
@@ -1396,7 +1398,8 @@ def test_read_path_trainer_weights_move_to_shared_memory_cpu(shapes: dict[str, A
         producers[share] = results[0]
     on, off = producers[True], producers[False]
     assert on["shared_bytes"] > 0 and off["shared_bytes"] == 0, (on, off)
-    assert on["syncs"][-1]["packed"] < off["syncs"][-1]["packed"], (on["syncs"], off["syncs"])
+    assert [s["packed"] for s in on["syncs"]] == [0] * 4, on["syncs"]
+    assert off["syncs"][-1]["packed"] > 0, off["syncs"]
 
 
 @distributed_test(timeout=150)
@@ -1432,10 +1435,11 @@ def _replayed(results: list[dict[str, Any]]) -> list[list[bool]]:
 @pytest.mark.parametrize("replay", [True, False])
 @distributed_test(timeout=150)
 def test_read_path_steady_state_replays_whole_syncs(shapes: dict[str, Any], replay: bool) -> None:
-    """A resident source written in place: sync 1 packs what it has not seen, sync 2 reads it
-    in place, and from sync 3 on every sync runs as sync 2 did (one message per consumer and
-    one answer) — the weights still change every sync and every byte is checked. With
-    ``replay=False`` every sync goes chunk by chunk."""
+    """A resident source written in place, its weights moved into a shared-memory arena at
+    set-up (``share_cpu_weights``): sync 1 reads every chunk in place from the arena, and from
+    sync 2 on every sync runs as sync 1 did (one message per consumer and one answer) — the
+    weights still change every sync and every byte is checked. With ``replay=False`` every
+    sync goes chunk by chunk."""
     _needs_nixl()
     results = _launch(
         3,
@@ -1448,7 +1452,7 @@ def test_read_path_steady_state_replays_whole_syncs(shapes: dict[str, Any], repl
         env={"VLLM_DIST_WT_TRACE": "1"},
     )
     _assert_verified(results, 5)
-    assert _replayed(results) == [[False, False, replay, replay, replay]] * 3
+    assert _replayed(results) == [[False, replay, replay, replay, replay]] * 3
     if not replay:
         return
     events = [e for _, e in results[0]["trace"]]  # the producer's last sync: no per-chunk work
@@ -1460,11 +1464,13 @@ def test_read_path_steady_state_replays_whole_syncs(shapes: dict[str, Any], repl
 @distributed_test(timeout=150)
 def test_replay_stops_at_a_storage_swap_and_resumes(shapes: dict[str, Any], check: str) -> None:
     """``p.data = ...`` before sync 3: that sync and the next are read chunk by chunk (the new
-    storage is packed, then exposed and read in place); replays resume at sync 5. Whether the
-    source lists its tensors (``current``: the check opens nothing), or not (every group is
-    opened and compared), or vouches for in-place writes and says when it swapped: then a
-    storage is exposed the first time a sync meets it, so sync 1 and the swap's sync 3 are read
-    in place already and replayed by syncs 2 and 4."""
+    storage, out of the arena the trainer's weights were moved to at set-up, is packed, then
+    exposed and read in place); replays resume at sync 5. Whether the source lists its tensors
+    (``current``: the check opens nothing, and the arena makes sync 1 read in place, replayed
+    by sync 2), or not (every group is opened and compared; no arena, as the source cannot
+    list its tensors at set-up: sync 2 reads in place what sync 1 packed), or vouches for
+    in-place writes and says when it swapped: then a storage is exposed the first time a sync
+    meets it, so the swap's sync 3 is read in place already and replayed by sync 4."""
     _needs_nixl()
     results = _launch(
         3,
@@ -1479,10 +1485,12 @@ def test_replay_stops_at_a_storage_swap_and_resumes(shapes: dict[str, Any], chec
         env={"VLLM_DIST_WT_TRACE": "1"},
     )
     _assert_verified(results, 6)
-    if check == "in_place":
-        assert _replayed(results) == [[False, True, False, True, True, True]] * 3
-    else:
-        assert _replayed(results) == [[False, False, False, False, True, True]] * 3
+    expected = {
+        "current": [False, True, False, False, True, True],
+        "open_only": [False, False, False, False, True, True],
+        "in_place": [False, True, False, True, True, True],
+    }
+    assert _replayed(results) == [expected[check]] * 3
     events = [e for _, e in results[0]["trace"]]  # the producer's last sync, a replay
     opened = check == "open_only"
     assert ("opened" in events, "checked" in events) == (opened, not opened)
@@ -1514,7 +1522,7 @@ def test_replay_read_chunk_by_chunk_is_byte_exact(shapes: dict[str, Any]) -> Non
         config=_STEADY,
     )
     _assert_verified(results, 4)
-    assert _replayed(results) == [[False, False, True, True]] + [[False] * 4] * 2
+    assert _replayed(results) == [[False, True, True, True]] + [[False] * 4] * 2
 
 
 class SlowSwapTask(SwappingStorageTask):
@@ -1685,7 +1693,7 @@ def test_replay_without_prepared_reads(shapes: dict[str, Any]) -> None:
         config=_STEADY,
     )
     _assert_verified(results, 4)
-    assert _replayed(results) == [[False, False, True, True]] * 3
+    assert _replayed(results) == [[False, True, True, True]] * 3  # the arena: sync 1 in place
 
 
 # -- the push path on NCCL -----------------------------------------------------------------------

@@ -75,6 +75,7 @@ from vllm_dist.implementations.communicators.common import (
     CopyProgram,
     batched_copy,
     share_storages,
+    shared_arena,
     shared_empty,
 )
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
@@ -187,11 +188,11 @@ class TransferConfig:
             source's DRAM storages into shared memory once, at set-up, before anything is
             planned (``share_storages``: in place, the trainer's tensors keep their values
             and identity, as ``torch.multiprocessing`` does to a CPU tensor it sends), so
-            consumers read large weights in place with a memcpy instead of through NIXL
-            (storages smaller than ``direct_bytes`` hold only packed items and stay).
-            Tensors the trainer puts in new storage later are read through NIXL again, and a
-            consumer admitted after set-up moves nothing. False: leave the trainer's memory
-            alone.
+            consumers copy the weights straight from the trainer's memory: nothing is packed,
+            and chunks of many small weights (100,000 experts in tensors of their own) are
+            read in place too, all of them lying in one arena. Tensors the trainer puts in
+            new storage later are read through NIXL again, and a consumer admitted after
+            set-up moves nothing. False: leave the trainer's memory alone.
         replay: READ path, producers with a resident source. A sync in which every tensor is
             where it was last sync runs as a replay of that sync: one message per consumer, no
             per-chunk work (module docstring, "Steady state"). False: every sync chunk by
@@ -592,11 +593,11 @@ class WeightProducer(_Engine):
             and any(pair.maps for pair in self._pairs.values())
         ):
             return
-        names = sorted({name for pair in self._pairs.values() for name in pair.names})
-        tensors = self.source.current(names)
+        # in the order chunks take them: a consumer's items then step evenly through the arena
+        # (its shard of each of 100,000 expert weights), and its copies batch into few
+        tensors = self.source.current(self._served_names)
         if tensors is not None:
-            # a storage smaller than an item that travels alone holds only packed items
-            self.shared_bytes = share_storages(tensors, min_bytes=self.layout.direct_bytes)
+            self.shared_bytes = share_storages(tensors)
             self._phase("share weights")
 
     def _expose_rings(self) -> None:
@@ -1199,10 +1200,10 @@ class WeightProducer(_Engine):
                 return None
             strides: Any = None if contiguous else tuple(view.stride())
         else:
-            base = srcs[0].untyped_storage().data_ptr()
-            if any(s.untyped_storage().data_ptr() != base for s in srcs):
-                return None  # several storages: packed
-            strides = tuple((s.data_ptr() - base, tuple(s.stride())) for s in srcs)
+            home = _home(srcs[0])
+            if any(_home(s) != home for s in srcs):
+                return None  # several storages (not in one arena): packed
+            strides = tuple((s.data_ptr() - home[0], tuple(s.stride())) for s in srcs)
         known = self._exposed_storage(pair, srcs[0])
         if known is None:
             return None
@@ -1212,15 +1213,14 @@ class WeightProducer(_Engine):
             # per row (per item of a flat buffer), not what it asked for. Packed instead.
             return None
         name, desc = known
-        offset = srcs[0].data_ptr() - srcs[0].untyped_storage().data_ptr() if single else SPREAD
+        offset = srcs[0].data_ptr() - _home(srcs[0])[0] if single else SPREAD
         plan.inplace = (srcs, name, offset, strides)
         return name, offset, desc, strides
 
     def _mappable(self, view: torch.Tensor) -> bool:
         """Whether the exposed storage of ``view`` can be mapped by a same-node peer (a DRAM
         storage can stay out of shared memory: ``NixlOptions.shared_memory``)."""
-        storage = view.untyped_storage()
-        _, desc = self._source_names[(storage.data_ptr(), storage.nbytes())]
+        _, desc = self._source_names[_home(view)]
         return getattr(desc, "mapping", None) is not None
 
     def _exposed_storage(self, pair: _Pair, view: torch.Tensor) -> tuple[str, Any] | None:
@@ -1230,17 +1230,21 @@ class WeightProducer(_Engine):
         storage met once (a trainer that puts its weights in new tensors every step) is
         packed, never registered."""
         storage = view.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+        key = _home(view)
         known = self._source_names.get(key)
         if known is None:
-            if key not in self._seen_sources[0] and not getattr(self.source, "in_place", False):
+            arena = shared_arena(storage.data_ptr()) if view.device.type == "cpu" else None
+            fresh = key not in self._seen_sources[0] and arena is None
+            if fresh and not getattr(self.source, "in_place", False):
                 self._seen_sources[1].add(key)
                 if pair.replay is not None:
                     pair.replay.ok = False  # read in place next sync: not a state to repeat
                 return None
             name = f"wt-src-p{self.producer_id}-{len(self._source_names)}"
-            whole = torch.empty(0, dtype=torch.uint8, device=view.device)
-            whole.set_(storage, 0, (key[1],), (1,))
+            whole = arena
+            if whole is None:
+                whole = torch.empty(0, dtype=torch.uint8, device=view.device)
+                whole.set_(storage, 0, (key[1],), (1,))
             desc = self.communicator.expose(whole, name)  # type: ignore[attr-defined]
             self._exposed.append(name)
             known = self._source_names[key] = (name, desc)
@@ -1593,6 +1597,18 @@ def _pair_layout(layout: LayoutConfig, strided: bool) -> LayoutConfig:
     if not strided or layout.direct_bytes <= _STRIDED_DIRECT_BYTES:
         return layout
     return replace(layout, direct_bytes=_STRIDED_DIRECT_BYTES)
+
+
+def _home(view: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the buffer a producer exposes to have ``view`` read in place: the
+    ``share_storages`` arena its storage lies in (one exposure for every storage moved
+    there), else its storage."""
+    storage = view.untyped_storage()
+    at = storage.data_ptr()
+    arena = shared_arena(at) if view.device.type == "cpu" else None
+    if arena is not None:
+        return arena.data_ptr(), arena.numel()
+    return at, storage.nbytes()
 
 
 def _snapshot(
