@@ -114,17 +114,18 @@ def share_storages(tensors: Iterable[torch.Tensor], *, min_bytes: int = 0) -> in
     _prune_arenas()
     arenas = [(a.data_ptr(), a.data_ptr() + a.numel()) for a, _ in _ARENAS]
     storages: dict[int, torch.UntypedStorage] = {}
+    # pinned memory stays (the trainer's host-to-device copies would lose their speed); only a
+    # process that started CUDA has any, and asking elsewhere would start it
+    cuda = torch.cuda.is_initialized()
     for tensor in tensors:
-        if tensor.device.type != "cpu" or tensor.layout is not torch.strided:
+        if not tensor.is_cpu or tensor.layout is not torch.strided:
             continue
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         if not nbytes or nbytes < min_bytes or storage.is_shared():
             continue
-        # not memory torch does not own (numpy's would be left behind), nor pinned memory (the
-        # trainer's host-to-device copies would lose their speed; only a process that started
-        # CUDA has any, and asking elsewhere would start it)
-        pinned = torch.cuda.is_initialized() and tensor.is_pinned()
+        # not memory torch does not own either (numpy's would be left behind)
+        pinned = cuda and tensor.is_pinned()
         at = storage.data_ptr()
         if (
             storage.resizable()
