@@ -134,7 +134,8 @@ def run_demo(
     """Launch a demo fleet on this machine (CPU) and summarise it.
 
     ``communicator``: ``"torch_distributed"`` (the send/recv path) or ``"nixl_rdt"`` (one-sided
-    READs; from the third sync on, whole syncs are replayed). Returns ``{"producers",
+    READs of the trainer's weights in a shared-memory arena; from the second sync on, whole
+    syncs are replayed). Returns ``{"producers",
     "consumers", "syncs", "bytes_per_sync", "seconds_per_sync", "replayed", "gb_per_s",
     "setup_seconds", "verified", "path"}``; bytes are what consumers received.
     """
