@@ -680,17 +680,49 @@ def _progressions(
     front); the positions they take. Measured on the 2-core CPU: 100,000 expert shards of 2 KiB
     from a flat buffer into fused expert tensors, about 100 ms as row gathers, one memcpy's
     time as 96 strided copies."""
+
+    def take(run: list[int], dstep: int, sstep: int) -> bool:
+        pair = _strided_run(dsts, srcs, run, dstep, sstep)
+        if pair is not None:
+            solo.append(pair)
+        return pair is not None
+
+    return _stepping_runs(
+        layouts,
+        set(),
+        STRIDE_MIN_PAIRS,
+        lambda layout: layout[0] == layout[1] and layout[6] == layout[7],
+        dsts,
+        srcs,
+        take,
+    )
+
+
+def _stepping_runs(
+    layouts: list[tuple[Any, ...]],
+    skip: set[int],
+    min_pairs: int,
+    want: Callable[[tuple[Any, ...]], bool],
+    dsts: list[torch.Tensor] | None,
+    srcs: list[torch.Tensor],
+    take: Callable[[list[int], int, int], bool],
+) -> set[int]:
+    """The positions of the runs ``take`` takes: each run is ``min_pairs`` or more pairs of
+    one layout that ``want``s, not in ``skip`` (in the order given, other layouts between
+    them), whose sources step by one constant and destinations by another (any, without
+    ``dsts``); ``take(run, dst step, src step)`` says whether it took the run."""
     by_layout: dict[tuple[Any, ...], list[int]] = {}
     for i, layout in enumerate(layouts):
-        by_layout.setdefault(layout, []).append(i)
+        if i not in skip:
+            by_layout.setdefault(layout, []).append(i)
     taken: set[int] = set()
     for layout, members in by_layout.items():
-        if len(members) < STRIDE_MIN_PAIRS or layout[0] != layout[1] or layout[6] != layout[7]:
-            continue
-        if not math.prod(layout[2]):
+        if len(members) < min_pairs or not math.prod(layout[2]) or not want(layout):
             continue
         at = np.array(members, dtype=np.int64)
-        d = np.array([dsts[i].data_ptr() for i in members], dtype=np.int64)
+        d = np.zeros(len(members), dtype=np.int64)  # no destinations: their steps do not count
+        if dsts is not None:
+            d = np.array([dsts[i].data_ptr() for i in members], dtype=np.int64)
         s = np.array([srcs[i].data_ptr() for i in members], dtype=np.int64)
         free = np.ones(len(members), dtype=bool)
         # every k-th pair too: pairs of two weights of one layout taking turns (an expert's
@@ -699,13 +731,11 @@ def _progressions(
             left = np.flatnonzero(free)
             for phase in range(k):
                 pick = left[phase::k]
-                for a, b, dstep, sstep in _even_runs(d[pick], s[pick]):
-                    run = at[pick[a:b]].tolist()
-                    pair = _strided_run(dsts, srcs, run, dstep, sstep)
-                    if pair is not None:
-                        solo.append(pair)
+                for first, end, dstep, sstep in _even_runs(d[pick], s[pick]):
+                    run = at[pick[first:end]].tolist()
+                    if end - first >= min_pairs and take(run, dstep, sstep):
                         taken.update(run)
-                        free[pick[a:b]] = False
+                        free[pick[first:end]] = False
     return taken
 
 
@@ -766,34 +796,21 @@ def _indexed_runs(
     (a consumer's shards of 100,000 expert weights in a trainer's flat buffer or shared arena,
     each into a tensor of its own): one ``IndexedCopy`` each, added to ``gathers`` and
     ``taken``, their storages to ``owners``."""
-    by_layout: dict[tuple[Any, ...], list[int]] = {}
-    for i, layout in enumerate(layouts):
-        if i not in taken:
-            by_layout.setdefault(layout, []).append(i)
-    for layout, members in by_layout.items():
-        if len(members) < GATHER_MIN_PAIRS or layout[0] != layout[1] or layout[6] != layout[7]:
-            continue
-        if layout[6].type != "cpu" or not math.prod(layout[2]) or layout[2] != layout[3]:
-            continue
-        at = np.array(members, dtype=np.int64)
-        s = np.array([srcs[i].data_ptr() for i in members], dtype=np.int64)
-        free = np.ones(len(members), dtype=bool)
-        for k in range(1, STRIDE_MAX_PERIOD + 1):
-            left = np.flatnonzero(free)
-            for phase in range(k):
-                pick = left[phase::k]
-                # the destinations' steps do not matter: seen as all zero
-                for a, b, _, sstep in _even_runs(np.zeros(len(pick), dtype=np.int64), s[pick]):
-                    if b - a < GATHER_MIN_PAIRS:
-                        continue
-                    run = at[pick[a:b]].tolist()
-                    gather = IndexedCopy.plan([dsts[i] for i in run], srcs[run[0]], sstep)
-                    if gather is not None:
-                        gathers.append(gather)
-                        taken.update(run)
-                        free[pick[a:b]] = False
-                        owners += [dsts[i].untyped_storage() for i in run]
-                        owners.append(srcs[run[0]].untyped_storage())
+
+    def want(layout: tuple[Any, ...]) -> bool:
+        same = layout[0] == layout[1] and layout[6] == layout[7] and layout[2] == layout[3]
+        return same and layout[6].type == "cpu"
+
+    def take(run: list[int], _dstep: int, sstep: int) -> bool:
+        gather = IndexedCopy.plan([dsts[i] for i in run], srcs[run[0]], sstep)
+        if gather is None:
+            return False
+        gathers.append(gather)
+        owners.extend(dsts[i].untyped_storage() for i in run)
+        owners.append(srcs[run[0]].untyped_storage())
+        return True
+
+    taken |= _stepping_runs(layouts, taken, GATHER_MIN_PAIRS, want, None, srcs, take)
 
 
 class IndexedCopy:
