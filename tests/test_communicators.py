@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from typing import Any
 
@@ -692,10 +693,34 @@ def test_share_storages_moves_cpu_storages_in_place(monkeypatch: pytest.MonkeyPa
     assert common.share_storages([small]) == 0 and common.shared_arena(small.data_ptr()) is None
     monkeypatch.undo()
     start = arena.data_ptr()
-    del big, view, mid, arena
+    del arena
     gc.collect()
-    common.share_storages([])  # prunes the arenas whose storages all died
-    assert common.shared_arena(start) is None
+    assert common.shared_arena(start) is not None  # its storages hold it
+    del big, view, mid
+    gc.collect()
+    assert common.shared_arena(start) is None  # gone with the last of them
+    assert common.arena_range(start) is None
+
+
+def test_share_storages_is_safe_across_threads() -> None:
+    """Threads moving the same storages at once: each storage moves once, values intact."""
+    import threading
+
+    from vllm_dist.implementations.communicators import common
+
+    tensors = [torch.full((256,), float(i)) for i in range(2000)]
+    moved: list[int] = []
+    threads = [
+        threading.Thread(target=lambda: moved.append(common.share_storages(tensors)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sum(moved) == 2000 * 1024, moved
+    assert all(t[0].item() == i and t[-1].item() == i for i, t in enumerate(tensors))
+    assert all(common.arena_range(t.data_ptr()) is not None for t in tensors)
 
 
 def test_copy_program_indexed_copy_cpu() -> None:
@@ -704,7 +729,11 @@ def test_copy_program_indexed_copy_cpu() -> None:
     are one ``IndexedCopy`` (one index_copy_, 16-byte elements where the layout allows);
     every byte lands where ``copy_`` puts it (random bits: NaN payloads included); sources
     in separate allocations take the other paths."""
-    from vllm_dist.implementations.communicators.common import CopyProgram, IndexedCopy
+    from vllm_dist.implementations.communicators.common import (
+        CopyProgram,
+        IndexedCopy,
+        share_storages,
+    )
 
     gen = torch.Generator().manual_seed(3)
     flat = torch.randint(-(1 << 15), 1 << 15, (30 * 3 * 2048,), dtype=torch.int16, generator=gen)
@@ -731,11 +760,27 @@ def test_copy_program_indexed_copy_cpu() -> None:
             assert torch.equal(d.view(torch.int16), s.view(torch.int16)), (step, i)
         flat.add_(7)
     program.close()
-    # sources in separate allocations that happen to step evenly: never one view
-    loose = [torch.ones(64, dtype=torch.int16) for _ in range(12)]
+    # sources in separate storages that step evenly (an arena's): never one view of the first
+    loose = [torch.full((64,), i, dtype=torch.int16) for i in range(12)]
+    assert share_storages(loose) == 12 * 128
+    steps = {b.data_ptr() - a.data_ptr() for a, b in itertools.pairwise(loose)}
+    assert steps == {128}, steps
     out = [torch.zeros(64, dtype=torch.int16) for _ in range(12)]
     apart = CopyProgram(out, loose)
     assert not any(isinstance(g, IndexedCopy) for g in apart._gathers)
     apart.run()
-    assert all(bool((o == 1).all()) for o in out)
+    assert all(o.tolist() == [i] * 64 for i, o in enumerate(out))
     apart.close()
+    # a storage whose base is off the 16-byte grid: sources on it are not widened past it
+    raw = bytearray(2 + 20 * 64)
+    based = torch.frombuffer(raw, dtype=torch.int16, offset=2)  # its storage starts there
+    skew = (-based.data_ptr() // 2) % 8  # elements to the first 16-byte boundary
+    srcs = [based[skew + 32 * i : skew + 32 * i + 16] for i in range(12)]
+    for i, src in enumerate(srcs):
+        src.fill_(i + 1)
+    dsts = [torch.zeros(16, dtype=torch.int16) for _ in range(12)]
+    odd = CopyProgram(dsts, srcs)
+    assert [type(g).__name__ for g in odd._gathers] == ["IndexedCopy"], odd._gathers
+    odd.run()
+    assert all(d.tolist() == [i + 1] * 16 for i, d in enumerate(dsts))
+    odd.close()

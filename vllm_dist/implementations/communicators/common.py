@@ -73,16 +73,22 @@ def check_tensor(
 SHM_SPARE_BYTES = 256 << 20  # what ``shared_empty`` leaves free in /dev/shm for everyone else
 
 
-def shared_empty(nbytes: int, device: torch.device | str) -> torch.Tensor:
+def shared_empty(nbytes: int, device: torch.device | str, *, reserve: bool = False) -> torch.Tensor:
     """An uninitialized uint8 buffer of ``nbytes`` that a same-node peer can map: on the CPU in
     shared memory (``NixlOptions.shared_memory``), elsewhere as ``torch.empty`` makes it. Plain
-    memory too where ``/dev/shm`` lacks room: a full tmpfs kills the writer with SIGBUS."""
+    memory too where ``/dev/shm`` lacks room: a full tmpfs kills the writer with SIGBUS.
+    ``reserve``: take the pages now (``posix_fallocate``), so that a room other processes took
+    meanwhile fails here, cleanly, with plain memory, not at a write; for a buffer written
+    whole at once (a ring, mostly touched in part, is not)."""
     device = torch.device(device)
     if device.type != "cpu" or not nbytes or _shm_room() < nbytes + SHM_SPARE_BYTES:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     try:
         storage = torch.UntypedStorage._new_shared(nbytes)
-    except (AttributeError, RuntimeError):  # a torch without it, or no shared memory here
+        if reserve:
+            fd, size = storage._share_fd_cpu_()  # type: ignore[attr-defined]  # already shared
+            os.posix_fallocate(fd, 0, size)
+    except (AttributeError, RuntimeError, OSError):  # no shared memory here, or no room
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     out = torch.empty(0, dtype=torch.uint8)
     out.set_(storage, 0, (nbytes,), (1,))  # type: ignore[arg-type]
@@ -98,21 +104,30 @@ def share_storages(tensors: Iterable[torch.Tensor], *, min_bytes: int = 0) -> in
     come (a cache line apart; 4 KiB for storages of 1 MiB and up), whatever their number: one
     file descriptor and one mapping for 100,000 expert weights (a segment each would take as
     many descriptors, and a peer as many mappings, more than a process may hold). Each
-    storage's memory is swapped for its place in the arena and its old memory freed; every
+    storage's memory is swapped for its slice of the arena and its old memory freed; every
     tensor and view of it keeps its values and sees the new memory, and only data pointers
-    taken before the move go stale. ``shared_arena`` finds the arena of an address; an arena
-    stays mapped while any storage in it lives (its storages do not own their memory). A
-    moved storage cannot grow in place (``resize_`` raises, as for ``torch.frombuffer``'s):
-    assigning new tensors (``p.data = ...``) and in-place writes are what trainers do.
+    taken before the move go stale (``Tensor.numpy()`` arrays, registrations of the old
+    addresses). Each slice holds the arena: it is unmapped when the last storage in it goes
+    (``shared_arena`` finds the arena of an address while it lives). A moved storage cannot
+    grow in place (``resize_`` raises, as for ``torch.frombuffer``'s), and it does not count
+    as shared (``is_shared``): ``share_memory_()`` or sending it through
+    ``torch.multiprocessing`` copies it out of the arena again, which a consumer then sees as
+    a swapped storage. Assigning new tensors (``p.data = ...``) and in-place writes, what
+    trainers do, are unaffected.
 
     Storages of at least ``min_bytes`` move, up to half the free room of ``/dev/shm`` beyond
     ``SHM_SPARE_BYTES``. Storages that are already shared (or in an arena), on another
     device, pinned, or not torch's own (not resizable, such as ``torch.from_numpy``'s, whose
     array would be left behind) stay as they are, as do tensors that are not strided (sparse,
-    MKL-DNN). Returns the bytes moved.
+    MKL-DNN). Thread-safe. Returns the bytes moved.
     """
+    with _ARENA_LOCK:
+        return _share_storages(tensors, min_bytes)
+
+
+def _share_storages(tensors: Iterable[torch.Tensor], min_bytes: int) -> int:
     _prune_arenas()
-    arenas = [(a.data_ptr(), a.data_ptr() + a.numel()) for a, _ in _ARENAS]
+    arenas = [(start, end) for start, end, _ in _ARENAS]
     storages: dict[int, torch.UntypedStorage] = {}
     # pinned memory stays (the trainer's host-to-device copies would lose their speed); only a
     # process that started CUDA has any, and asking elsewhere would start it
@@ -145,43 +160,55 @@ def share_storages(tensors: Iterable[torch.Tensor], *, min_bytes: int = 0) -> in
             end = at + nbytes
     if not places:
         return 0
-    arena = shared_empty(end, "cpu")
-    if not arena.untyped_storage().is_shared():
+    arena = shared_empty(end, "cpu", reserve=True).untyped_storage()
+    if not arena.is_shared():
         return 0  # shared memory ran out meanwhile: nothing moves
-    cpu, base = torch.device("cpu"), arena.data_ptr()
-    weak: list[int] = []
+    base = arena.data_ptr()
+    weak: int = arena._weak_ref()  # type: ignore[assignment]  # an int handle
+    _ARENAS.append((base, base + end, weak))
     for storage, at in places:  # about 3 µs a storage
         nbytes = storage.nbytes()
         ctypes.memmove(base + at, storage.data_ptr(), nbytes)
-        # the storage takes its place in the arena; the place's storage takes the old memory
-        # (and frees it as it goes)
-        place = torch._C._construct_storage_from_data_pointer(base + at, cpu, nbytes)
-        storage._swap_data_ptr_(place)  # type: ignore[attr-defined]
-        weak.append(storage._weak_ref())  # type: ignore[arg-type]  # an int handle
-    _ARENAS.append((arena, weak))
+        # the storage takes its slice of the arena (which keeps the arena mapped); the slice's
+        # storage takes the old memory and frees it as it goes
+        storage._swap_data_ptr_(arena[at : at + nbytes])  # type: ignore[attr-defined]
     return sum(storage.nbytes() for storage, _ in places)
 
 
-# share_storages' arenas: (buffer, weak references to the storages moved into it)
-_ARENAS: list[tuple[torch.Tensor, list[int]]] = []
+# share_storages' arenas: (first address, past the last, weak reference to the arena's
+# storage, which lives as long as a storage moved into it does); guarded by _ARENA_LOCK
+_ARENAS: list[tuple[int, int, int]] = []
+_ARENA_LOCK = threading.Lock()
+
+
+def arena_range(address: int) -> tuple[int, int] | None:
+    """(first address, bytes) of the live ``share_storages`` arena holding ``address``."""
+    with _ARENA_LOCK:
+        for start, end, weak in _ARENAS:
+            if start <= address < end and not torch.UntypedStorage._expired(weak):  # type: ignore[attr-defined]
+                return start, end - start
+    return None
 
 
 def shared_arena(address: int) -> torch.Tensor | None:
-    """The arena of ``share_storages`` that holds ``address`` (a uint8 tensor over all of it,
-    whose storage a peer can map), or None."""
-    for arena, _ in _ARENAS:
-        start = arena.data_ptr()
-        if start <= address < start + arena.numel():
-            return arena
+    """The live arena of ``share_storages`` that holds ``address`` (a uint8 tensor over all of
+    it, whose storage a peer can map), or None."""
+    with _ARENA_LOCK:
+        for start, end, weak in _ARENAS:
+            if start <= address < end:
+                storage = torch.UntypedStorage._new_with_weak_ptr(weak)  # type: ignore[attr-defined]
+                if storage is None:  # gone, and its range possibly reused
+                    continue
+                out = torch.empty(0, dtype=torch.uint8)
+                return out.set_(storage, 0, (end - start,), (1,))  # type: ignore[arg-type]
     return None
 
 
 def _prune_arenas() -> None:
-    """Unmap the arenas none of whose storages lives any more."""
+    """Forget the arenas that are gone (their last storage died). Under ``_ARENA_LOCK``."""
     for entry in list(_ARENAS):
-        if all(torch.UntypedStorage._expired(w) for w in entry[1]):  # type: ignore[attr-defined]
-            for w in entry[1]:
-                torch.UntypedStorage._free_weak_ref(w)  # type: ignore[attr-defined]
+        if torch.UntypedStorage._expired(entry[2]):  # type: ignore[attr-defined]
+            torch.UntypedStorage._free_weak_ref(entry[2])  # type: ignore[attr-defined]
             _ARENAS.remove(entry)
 
 
@@ -286,6 +313,9 @@ class CopyProgram:
     ``GATHER_MIN_PAIRS`` of them (one kernel per run of pairs whose destinations, or sources,
     follow one another in memory, ``_runs``), else get a kernel each; every other contiguous
     pair joins a batched launch (``_foreach_copy_``) of its width, its bytes seen as int64 where aligned.
+    Before all that, runs of pairs of one layout that step evenly become one strided copy each
+    (``_progressions``), and on the CPU runs whose sources alone step evenly one
+    ``IndexedCopy`` each.
     On CUDA with ``graph``, the launches are recorded into a CUDA graph at the first ``run``,
     so each later run costs one launch however many pairs it copies (100,000 expert slices
     included). In the graph the launches are spread over ``GRAPH_BRANCHES`` branches that run
@@ -864,6 +894,8 @@ class IndexedCopy:
             if any(st % ratio for st in (*first.stride()[:-1], *strides[:-1], step // size)):
                 continue
             if first.data_ptr() % wide.itemsize or bool((at % wide.itemsize).any()):
+                continue
+            if first.storage_offset() % ratio:  # a storage whose base is off the wide grid
                 continue
             shape = (*shape[:-1], shape[-1] // ratio)
             strides = (*(st // ratio for st in strides[:-1]), 1)

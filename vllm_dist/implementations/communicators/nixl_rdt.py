@@ -707,7 +707,7 @@ class _Backoff:
     a twentieth of it (20 µs to 1 ms): a poll costs CPU time of its own, and on a machine with
     few cores the waiters take it from the processes moving the bytes (measured on 2 cores: a
     producer waiting out its consumers' 70 ms reads in 20 µs pauses used a third of a core
-    they needed). A pause then overshoots the end by at most 5% of the wait.
+    they needed). A pause then overshoots the end by at most 5% of the wait, or 20 µs.
     """
 
     def __init__(self, spin_s: float) -> None:

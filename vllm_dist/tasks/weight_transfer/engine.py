@@ -73,6 +73,7 @@ import torch
 
 from vllm_dist.implementations.communicators.common import (
     CopyProgram,
+    arena_range,
     batched_copy,
     share_storages,
     shared_arena,
@@ -1174,15 +1175,15 @@ class WeightProducer(_Engine):
 
         A one-item chunk: strides are None for a contiguous view, else the view's (strided
         reads). A chunk of several items, for a consumer that reads strided views on a mapping
-        of this rank's memory, whose items are all views of one storage (a trainer's flat
-        parameter buffer): the offset is ``SPREAD`` and the strides are ``(byte offset,
-        strides)`` per item, so the consumer copies each item straight from the trainer's
-        buffer and nothing is packed.
+        of this rank's memory, whose items all lie in one exposed buffer (a trainer's flat
+        parameter buffer, or the ``share_storages`` arena its weights were moved into): the
+        offset is ``SPREAD`` and the strides are ``(byte offset, strides)`` per item, so the
+        consumer copies each item straight from the trainer's memory and nothing is packed.
 
         Only views of the source's own storage (not copies the chain made) whose storage was
-        already there last sync are exposed (a trainer that gathers into fresh memory every sync
-        gets packed copies instead of an ever-growing set of registrations); it stays exposed
-        until ``close``.
+        already there last sync (or lies in an arena) are exposed (a trainer that gathers into
+        fresh memory every sync gets packed copies instead of an ever-growing set of
+        registrations); it stays exposed until ``close``.
         """
         single = len(chunk.items) == 1
         if not (single or pair.maps):
@@ -1225,10 +1226,10 @@ class WeightProducer(_Engine):
 
     def _exposed_storage(self, pair: _Pair, view: torch.Tensor) -> tuple[str, Any] | None:
         """(exposed name, descriptor the first time this consumer hears of it, else None) of
-        ``view``'s storage, exposing it if it was there last sync or the source vouches that
-        its tensors stay where they are (``WeightSource.in_place``); None if it is new: a
-        storage met once (a trainer that puts its weights in new tensors every step) is
-        packed, never registered."""
+        ``view``'s storage (of the arena it lies in: ``_home``), exposing it if it was there
+        last sync, lies in an arena, or the source vouches that its tensors stay where they
+        are (``WeightSource.in_place``); None if it is new: a storage met once (a trainer that
+        puts its weights in new tensors every step) is packed, never registered."""
         storage = view.untyped_storage()
         key = _home(view)
         known = self._source_names.get(key)
@@ -1605,10 +1606,8 @@ def _home(view: torch.Tensor) -> tuple[int, int]:
     there), else its storage."""
     storage = view.untyped_storage()
     at = storage.data_ptr()
-    arena = shared_arena(at) if view.device.type == "cpu" else None
-    if arena is not None:
-        return arena.data_ptr(), arena.numel()
-    return at, storage.nbytes()
+    arena = arena_range(at) if view.device.type == "cpu" else None
+    return arena if arena is not None else (at, storage.nbytes())
 
 
 def _snapshot(
