@@ -257,8 +257,8 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
                 + ([("plain", 96, tail)] if plain else []),
                 [("weights", 200, (4096, 1), cols)],
             )
-            # the same reads as two sets merged into one (what a first replay does on the CPU):
-            # only sets of copies on a mapping merge
+            # the same reads as two sets merged into one (what a first replay does): only sets
+            # of copies on a mapping merge; on CUDA IPC they replay as one graph
             parts = [
                 comm.prepare_reads(1, [("weights", 7, small), ("weights", 5 << 20, big)], []),
                 comm.prepare_reads(1, [], [("weights", 200, (4096, 1), cols)]),
@@ -303,6 +303,7 @@ class PreparedReadsTask(GlobalCoordinatorDistributedTask):
         if prepared is not None:
             out["open"] = comm.stats()
             out["graphed"] = prepared.graphed
+            out["merged_graphed"] = merged is not None and merged.graphed
             for other_set in [*parts, merged]:
                 if other_set is not None:
                     other_set.close()
@@ -645,10 +646,12 @@ def test_repeated_transfers_vram_same_gpu() -> None:
 @distributed_test(gpus=1, timeout=300)
 @pytest.mark.parametrize("cuda_ipc", [True, False], ids=["cuda_ipc", "ucx"])
 def test_prepared_reads_vram_same_gpu(cuda_ipc: bool) -> None:
-    """On a CUDA IPC mapping the copies become one CUDA graph, replayed by every post."""
+    """On a CUDA IPC mapping the copies become one CUDA graph, replayed by every post; sets of
+    them merge into one set, one graph too, that lands the same bytes."""
     options = {"timeout": 30.0, "cuda_ipc": cuda_ipc}
     out = launch(PreparedReadsTask, device="cuda:0", options=options)[0]
     assert out["graphed"] is cuda_ipc
+    assert out["merged"] is cuda_ipc and out["merged_graphed"] is cuda_ipc
     assert out["closed"]["live_xfer_handles"] == 0
 
 

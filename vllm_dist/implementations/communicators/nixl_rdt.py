@@ -526,12 +526,12 @@ class _PreparedCopies(PreparedReads):
 
     @classmethod
     def merged(
-        cls, comm: NixlRdtCommunicator, peer: int, sets: list[_PreparedCopies]
+        cls, comm: NixlRdtCommunicator, peer: int, sets: list[_PreparedCopies], *, graphs: bool
     ) -> _PreparedCopies:
         """One set of what ``sets`` copy, planned by none (``CopyProgram.merged``)."""
         self = cls.__new__(cls)
         PreparedReads.__init__(self, comm, peer, sets[0]._what)
-        self._program = CopyProgram.merged([p._program for p in sets], graph=False)
+        self._program = CopyProgram.merged([p._program for p in sets], graph=graphs)
         return self
 
     def _post(self) -> NixlTransfer:
@@ -1122,16 +1122,17 @@ class NixlRdtCommunicator(DeviceCommunicator):
 
     def merge_prepared(self, peer: int, sets: Sequence[PreparedReads]) -> PreparedReads | None:
         """One prepared set that does what ``sets`` (prepared here for ``peer``) do, planned
-        by none: on the CPU, where every set is copies on a mapping, their ``CopyProgram``s
-        merged (measured on 2 cores: 100,000 expert reads from a shared-memory ring, about 3.5 s
-        prepared afresh). None otherwise (a NIXL request, or CUDA, where one graph of every
-        copy, from ``prepare_reads``, replays cheaper than a graph per set): prepare afresh.
-        The sets must not be posted while the merged one is in flight."""
+        by none, where every set is copies on a mapping: their ``CopyProgram``s merged, on
+        CUDA IPC recorded as one CUDA graph at the first post (``cuda_graphs``), as a fresh
+        ``prepare_reads`` of all their reads would be (measured on 2 cores: 100,000 expert
+        reads from a shared-memory ring, about 3.5 s prepared afresh). None otherwise (a NIXL
+        request): prepare afresh. The sets must not be posted while the merged one is in
+        flight."""
         self._check_peer(peer)
         copies = [p for p in sets if isinstance(p, _PreparedCopies) and p._peer == peer]
-        if self._device.type != "cpu" or not copies or len(copies) != len(sets):
+        if not copies or len(copies) != len(sets):
             return None
-        return _PreparedCopies.merged(self, peer, copies)
+        return _PreparedCopies.merged(self, peer, copies, graphs=self._opts.cuda_graphs)
 
     @property
     def maps_peer_memory(self) -> bool:
