@@ -18,12 +18,15 @@ import pytest
 
 from tests.utils import distributed_test
 from vllm_dist import (
+    CoordinatorType,
     DistributedTask,
+    GlobalCoordinatorDistributedTask,
     LaunchError,
     LaunchTimeoutError,
     MPLauncher,
     WorkerInfo,
 )
+from vllm_dist.implementations.launchers.common import find_free_port
 
 
 class EnvTask(DistributedTask):
@@ -260,3 +263,52 @@ def test_launcher_rejects_bad_arguments() -> None:
         MPLauncher(1, start_method="teleport")
     with pytest.raises(TypeError, match="DistributedTask"):
         MPLauncher(1).launch(task_type=int)
+
+
+class RanksTask(GlobalCoordinatorDistributedTask):
+    def post_init_distributed(self, **kwargs: Any) -> Any:
+        return self.coordinator.all_gather_object(self.coordinator.get_rank())
+
+
+@distributed_test(timeout=120)
+def test_a_taken_rendezvous_port_is_replaced(monkeypatch) -> None:
+    """Another process takes the port the launcher picked before rank 0 binds it (the CI flake
+    this guards against): the launch starts again on a fresh port and succeeds; with the port
+    fixed by the caller it fails at once, naming the port and the fix."""
+    import socket
+
+    from vllm_dist.implementations.launchers import mp as mp_launcher
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        picked: list[int] = []
+
+        def pick(host: str) -> int:
+            port = taken if not picked else find_free_port(host)
+            picked.append(port)
+            return port
+
+        monkeypatch.setattr(mp_launcher, "find_free_port", pick)
+        kw = {
+            "coordinator_type": CoordinatorType.TORCH_DISTRIBUTED,
+            "communicator_type": "torch_distributed",
+        }
+        results = MPLauncher(2, timeout=90).launch(task_type=RanksTask, **kw)
+        assert results == [[0, 1], [0, 1]]
+        assert picked[0] == taken and len(picked) == 2 and picked[1] != taken, picked
+
+        fixed = MPLauncher(2, timeout=90, master_port=taken)
+        with pytest.raises(LaunchError, match=f"port {taken} .* held by another process"):
+            fixed.launch(task_type=RanksTask, **kw)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range() -> None:
+    """Outgoing connections take ports from the ephemeral range at any moment; a rendezvous
+    port from below it can only collide with an explicit bind."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = {find_free_port("127.0.0.1") for _ in range(20)}
+    assert all(p < low for p in ports), (low, ports)
+    assert len(ports) > 1  # drawn at random, so parallel launches do not race for one port

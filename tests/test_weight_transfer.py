@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pickle
 import re
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -30,6 +29,7 @@ from vllm_dist import (
 )
 from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env
 from vllm_dist.implementations.communicators.nixl_rdt import NixlRdtCommunicator
+from vllm_dist.implementations.launchers.common import find_free_port
 from vllm_dist.tasks.weight_transfer import (
     ALLOWED_OPS,
     RDT_MIN_RAY_VERSION,
@@ -750,9 +750,7 @@ def test_differing_plans_fail_at_setup(shapes: dict[str, Any]) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return find_free_port("127.0.0.1")  # below the ephemeral range: no outgoing socket takes it
 
 
 def _launch_halves(

@@ -10,7 +10,11 @@ from vllm_dist.interfaces.communicator import (
     ReduceOp,
     UnsupportedOperationError,
 )
-from vllm_dist.interfaces.coordinator import CoordinatorTimeoutError, WorkerCoordinator
+from vllm_dist.interfaces.coordinator import (
+    CoordinatorTimeoutError,
+    RendezvousPortTakenError,
+    WorkerCoordinator,
+)
 from vllm_dist.interfaces.launcher import (
     BackendUnavailableError,
     DistributedTask,
@@ -25,6 +29,7 @@ __all__ = [
     "BackendUnavailableError",
     "CommOp",
     "CoordinatorTimeoutError",
+    "RendezvousPortTakenError",
     "DeviceCommunicator",
     "DistributedTask",
     "LaunchError",

@@ -16,6 +16,14 @@ class CoordinatorTimeoutError(TimeoutError):
     """A coordinator operation did not complete within its timeout (a peer is slow or dead)."""
 
 
+class RendezvousPortTakenError(CoordinatorTimeoutError):
+    """Rank 0 could not listen on the rendezvous port: another process holds it.
+
+    Raised before anything of the task has run; a launcher that picked the port itself launches
+    again on another one, and a caller that fixed the port should pick a free one.
+    """
+
+
 class WorkerCoordinator(ABC):
     """Rank facts and object collectives over one group of workers.
 

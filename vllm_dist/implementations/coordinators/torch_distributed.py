@@ -17,7 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vllm_dist.interfaces import CoordinatorTimeoutError, WorkerCoordinator, WorkerInfo
+from vllm_dist.interfaces import (
+    CoordinatorTimeoutError,
+    RendezvousPortTakenError,
+    WorkerCoordinator,
+    WorkerInfo,
+)
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -61,6 +66,11 @@ class TorchDistributedCoordinator(WorkerCoordinator):
                     timeout=datetime.timedelta(seconds=self._timeout),
                 )
             except (RuntimeError, dist.DistStoreError) as exc:
+                if "EADDRINUSE" in str(exc):
+                    raise RendezvousPortTakenError(
+                        f"rank {info.rank}: port {info.master_port} on {info.master_addr} is "
+                        f"held by another process; pick a free port: {exc}"
+                    ) from exc
                 raise CoordinatorTimeoutError(
                     f"rank {info.rank}: could not join the group at "
                     f"{info.master_addr}:{info.master_port} within {self._timeout} s: {exc}"

@@ -6,6 +6,7 @@ Launchers call these plain functions; there is no launcher base class with share
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import traceback
@@ -59,10 +60,49 @@ def worker_env(env: dict[str, str], info: WorkerInfo) -> dict[str, str]:
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
+    """A TCP port that is free on ``host`` right now, below the kernel's ephemeral range.
+
+    The port is handed to rank 0, which binds it seconds later, after its interpreter starts.
+    A port from the ephemeral range (what binding port 0 gives) can be taken in that window by
+    any outgoing connection on the machine; ports below it are only ever taken by an explicit
+    bind. Falls back to an ephemeral port when none below the range is free.
+    """
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(_PORT_FLOOR, low) if low > _PORT_FLOOR + 1 else 0
+        if port and _bindable(host, port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+_PORT_FLOOR = 20000  # below this sit the well-known and registered services people run
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out for outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def port_was_taken(error: BaseException) -> bool:
+    """True when a launch failed because its rendezvous port was taken before rank 0 bound it."""
+    failures = getattr(error, "failures", ())
+    return any("RendezvousPortTakenError:" in (f.traceback or "") for f in failures)
 
 
 def describe_exit(exitcode: int | None) -> str:
