@@ -5,16 +5,21 @@ Launchers call these plain functions; there is no launcher base class with share
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
 import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_dist import registry, serialization
-from vllm_dist.interfaces import DistributedTask, WorkerInfo
+from vllm_dist.interfaces import DistributedTask, LaunchError, WorkerInfo
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,10 +104,26 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-def port_was_taken(error: BaseException) -> bool:
-    """True when a launch failed because its rendezvous port was taken before rank 0 bound it."""
-    failures = getattr(error, "failures", ())
-    return any("RendezvousPortTakenError:" in (f.traceback or "") for f in failures)
+PORT_ATTEMPTS = 3  # launches in all when the rendezvous port we picked is taken meanwhile
+
+
+def launch_retrying_taken_ports(launch_once: Callable[[], T]) -> T:
+    """``launch_once()``, again (up to ``PORT_ATTEMPTS`` in all) while it fails only because the
+    rendezvous port it picked was taken between the pick and rank 0's bind.
+
+    Nothing of the task has run at that point (rank 0 fails in its rendezvous, the others are
+    stopped while they wait in theirs), so launching again loses nothing. Callers that fix the
+    port themselves call ``launch_once`` directly: another try would meet the same port.
+    """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return launch_once()
+        except LaunchError as exc:
+            taken = any("RendezvousPortTakenError:" in (f.traceback or "") for f in exc.failures)
+            if not taken or attempt == PORT_ATTEMPTS:
+                raise
+            logger.warning("the rendezvous port was taken before rank 0 bound it; launching again")
+    raise AssertionError("unreachable")
 
 
 def describe_exit(exitcode: int | None) -> str:

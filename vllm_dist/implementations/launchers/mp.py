@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -29,8 +28,8 @@ from vllm_dist.implementations.launchers.common import (
     WorkerOutcome,
     describe_exit,
     find_free_port,
+    launch_retrying_taken_ports,
     pack_launch,
-    port_was_taken,
     run_packed_task,
     worker_env,
 )
@@ -44,8 +43,6 @@ from vllm_dist.interfaces import (
 )
 
 _PR_SET_PDEATHSIG = 1
-_PORT_ATTEMPTS = 3  # launches on fresh ports when the one we picked was taken meanwhile
-logger = logging.getLogger(__name__)
 
 
 class MPLauncher(Launcher):
@@ -102,19 +99,11 @@ class MPLauncher(Launcher):
 
     def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
         packed = pack_launch(task_type, kwargs)
-        for attempt in range(_PORT_ATTEMPTS):
-            port = self._master_port or find_free_port(self._master_addr)
-            try:
-                return self._launch_once(packed, port)
-            except LaunchError as exc:
-                # a port we picked was taken between our check and rank 0's bind: nothing ran
-                # yet past the rendezvous, so launching again on another port loses nothing
-                if self._master_port or attempt + 1 == _PORT_ATTEMPTS or not port_was_taken(exc):
-                    raise
-                logger.warning(
-                    "rendezvous port %d was taken before rank 0 bound it; retrying", port
-                )
-        raise AssertionError("unreachable")
+        if self._master_port:
+            return self._launch_once(packed, self._master_port)
+        return launch_retrying_taken_ports(
+            lambda: self._launch_once(packed, find_free_port(self._master_addr))
+        )
 
     def _launch_once(self, packed: bytes, port: int) -> list[Any]:
         run = _Run(self, packed, port)

@@ -31,6 +31,7 @@ from vllm_dist import serialization
 from vllm_dist.implementations.launchers.common import (
     WorkerOutcome,
     find_free_port,
+    launch_retrying_taken_ports,
     pack_launch,
     run_packed_task,
 )
@@ -134,14 +135,17 @@ class RayLauncher(Launcher):
         serialization.prepare()  # now that ray.cloudpickle is loaded, register there too
         owned = self._connect(ray)
         try:
-            run = _Run(self, ray, time.monotonic())
-            try:
-                return run.execute(packed)
-            finally:
-                run.stop()
+            return launch_retrying_taken_ports(lambda: self._launch_once(ray, packed))
         finally:
             if owned and not self._keep_ray:
                 ray.shutdown()
+
+    def _launch_once(self, ray: Any, packed: bytes) -> list[Any]:
+        run = _Run(self, ray, time.monotonic())
+        try:
+            return run.execute(packed)
+        finally:
+            run.stop()
 
     def _connect(self, ray: Any) -> bool:
         """Make sure this process is connected to Ray; True when this call connected it."""
