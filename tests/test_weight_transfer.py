@@ -777,8 +777,9 @@ def _launch_halves_sized(
             out[role] = exc
 
     threads = [
-        threading.Thread(target=run, args=("producer", 1, producer_task)),
-        threading.Thread(target=run, args=("consumer", consumers, consumer_task)),
+        # daemons: a launch that outlives its join (the test then fails) must not hold pytest
+        threading.Thread(target=run, args=("producer", 1, producer_task), daemon=True),
+        threading.Thread(target=run, args=("consumer", consumers, consumer_task), daemon=True),
     ]
     for t in threads:
         t.start()
