@@ -5,8 +5,10 @@ Every test takes ``make_launcher`` so it runs under each launcher kind (see conf
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -25,8 +27,9 @@ from vllm_dist import (
     LaunchTimeoutError,
     MPLauncher,
     WorkerInfo,
+    get_coordinator_class,
 )
-from vllm_dist.implementations.launchers.common import find_free_port
+from vllm_dist.implementations.launchers.common import _bindable, find_free_port
 
 
 class EnvTask(DistributedTask):
@@ -275,8 +278,6 @@ def test_a_taken_rendezvous_port_is_replaced(monkeypatch) -> None:
     """Another process takes the port the launcher picked before rank 0 binds it (the CI flake
     this guards against): the launch starts again on a fresh port and succeeds; with the port
     fixed by the caller it fails at once, naming the port and the fix."""
-    import socket
-
     from vllm_dist.implementations.launchers import mp as mp_launcher
 
     with socket.socket() as holder:
@@ -304,11 +305,48 @@ def test_a_taken_rendezvous_port_is_replaced(monkeypatch) -> None:
             fixed.launch(task_type=RanksTask, **kw)
 
 
-def test_free_ports_come_from_below_the_ephemeral_range() -> None:
+def test_free_ports_come_from_outside_the_ephemeral_range() -> None:
     """Outgoing connections take ports from the ephemeral range at any moment; a rendezvous
-    port from below it can only collide with an explicit bind."""
+    port from outside it can only collide with an explicit bind."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
+        low, high = (int(x) for x in f.read().split()[:2])
     ports = {find_free_port("127.0.0.1") for _ in range(20)}
-    assert all(p < low for p in ports), (low, ports)
+    assert not any(low <= p <= high for p in ports), (low, high, ports)
     assert len(ports) > 1  # drawn at random, so parallel launches do not race for one port
+
+
+def test_a_port_held_on_another_address_is_not_free() -> None:
+    """torch's store listens on the wildcard address: a port some service holds on one address
+    of the machine would fail rank 0's bind, so it is not handed out."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert not _bindable(socket.AF_INET, port)
+
+
+class LateCoordinatorTask(DistributedTask):
+    """Does its work, then joins a coordinator of its own on a port the caller chose."""
+
+    def run(self, *, port: int, log: str, **_: Any) -> None:
+        with open(log, "a") as f:
+            f.write(f"{self.worker_info.rank}\n")
+        info = dataclasses.replace(self.worker_info, master_port=port)
+        get_coordinator_class(CoordinatorType.TORCH_DISTRIBUTED)(info, timeout=20).initialize()
+
+
+@distributed_test(timeout=120)
+def test_a_taken_port_the_task_chose_is_not_retried(tmp_path) -> None:
+    """Only the launch's own rendezvous port is retried: a task that fails on a port it chose
+    itself, after doing work, runs once and names the port."""
+    log = tmp_path / "runs"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"port {taken} .* held by another process") as err:
+            MPLauncher(2, timeout=90).launch(
+                task_type=LateCoordinatorTask, port=taken, log=str(log)
+            )
+    assert not any(f.port_taken for f in err.value.failures)
+    assert sorted(log.read_text().split()) == ["0", "1"]  # one launch, not three

@@ -16,12 +16,17 @@ class CoordinatorTimeoutError(TimeoutError):
     """A coordinator operation did not complete within its timeout (a peer is slow or dead)."""
 
 
-class RendezvousPortTakenError(CoordinatorTimeoutError):
-    """Rank 0 could not listen on the rendezvous port: another process holds it.
+class RendezvousPortTakenError(RuntimeError):
+    """Rank 0 could not listen on the rendezvous port ``port``: another process holds it.
 
-    Raised before anything of the task has run; a launcher that picked the port itself launches
-    again on another one, and a caller that fixed the port should pick a free one.
+    Not a timeout: waiting longer does not help. A launcher that picked the port itself launches
+    again on another one when this ends rank 0 (``WorkerFailure.port_taken``); a caller that
+    fixed the port should pick a free one.
     """
+
+    def __init__(self, message: str, *, port: int) -> None:
+        super().__init__(message)
+        self.port = port
 
 
 class WorkerCoordinator(ABC):

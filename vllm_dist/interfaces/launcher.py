@@ -81,11 +81,16 @@ class WorkerInfo:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerFailure:
-    """One failed worker: its rank, how it ended, and its own traceback when it had one."""
+    """One failed worker: its rank, how it ended, and its own traceback when it had one.
+
+    ``port_taken``: the worker ended on ``RendezvousPortTakenError`` for the launch's own
+    rendezvous port (another process bound it first), so launching again on another port helps.
+    """
 
     rank: int
     reason: str
     traceback: str = ""
+    port_taken: bool = False
 
 
 class LaunchError(RuntimeError):

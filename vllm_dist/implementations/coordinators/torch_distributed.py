@@ -66,10 +66,11 @@ class TorchDistributedCoordinator(WorkerCoordinator):
                     timeout=datetime.timedelta(seconds=self._timeout),
                 )
             except (RuntimeError, dist.DistStoreError) as exc:
-                if "EADDRINUSE" in str(exc):
+                if _address_in_use(exc):
                     raise RendezvousPortTakenError(
                         f"rank {info.rank}: port {info.master_port} on {info.master_addr} is "
-                        f"held by another process; pick a free port: {exc}"
+                        f"held by another process; pick a free port: {exc}",
+                        port=info.master_port,
                     ) from exc
                 raise CoordinatorTimeoutError(
                     f"rank {info.rank}: could not join the group at "
@@ -214,6 +215,12 @@ def new_torch_group(
     )
     assert group is not None
     return group
+
+
+def _address_in_use(exc: BaseException) -> bool:
+    """torch's TCPStore could not listen: libuv says EADDRINUSE, the older backend errno 98."""
+    text = str(exc)
+    return "EADDRINUSE" in text or "Address already in use" in text
 
 
 def _host(addr: str) -> str:

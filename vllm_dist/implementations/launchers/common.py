@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from vllm_dist import registry, serialization
-from vllm_dist.interfaces import DistributedTask, LaunchError, WorkerInfo
+from vllm_dist.interfaces import (
+    DistributedTask,
+    LaunchError,
+    RendezvousPortTakenError,
+    WorkerInfo,
+)
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -29,6 +34,7 @@ class WorkerOutcome:
     ok: bool
     payload: bytes = b""
     traceback: str = ""
+    port_taken: bool = False  # ended on RendezvousPortTakenError for the launch's own port
 
 
 def pack_launch(task_type: type[DistributedTask], kwargs: dict[str, Any]) -> bytes:
@@ -46,8 +52,9 @@ def run_packed_task(packed: bytes, info: WorkerInfo) -> WorkerOutcome:
         registry.restore(snap)
         result = task_type(info).run(**kwargs)
         return WorkerOutcome(ok=True, payload=serialization.dumps(result))
-    except BaseException:  # noqa: BLE001 - the traceback is the report
-        return WorkerOutcome(ok=False, traceback=traceback.format_exc())
+    except BaseException as exc:  # noqa: BLE001 - the traceback is the report
+        taken = isinstance(exc, RendezvousPortTakenError) and exc.port == info.master_port
+        return WorkerOutcome(ok=False, traceback=traceback.format_exc(), port_taken=taken)
 
 
 def worker_env(env: dict[str, str], info: WorkerInfo) -> dict[str, str]:
@@ -65,40 +72,55 @@ def worker_env(env: dict[str, str], info: WorkerInfo) -> dict[str, str]:
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now, below the kernel's ephemeral range.
+    """A TCP port that is free on ``host`` right now, outside the kernel's ephemeral range.
 
     The port is handed to rank 0, which binds it seconds later, after its interpreter starts.
     A port from the ephemeral range (what binding port 0 gives) can be taken in that window by
-    any outgoing connection on the machine; ports below it are only ever taken by an explicit
-    bind. Falls back to an ephemeral port when none below the range is free.
+    any outgoing connection on the machine; ports outside it are only ever taken by an explicit
+    bind. Ports are checked on the wildcard address, which is what torch's store listens on, so
+    a service on one address of the machine does not hide. Falls back to an ephemeral port when
+    none outside the range is free.
     """
-    low = _ephemeral_low()
+    family = _family(host)
+    low, high = _ephemeral_range()
+    spans = [(a, b) for a, b in ((_PORT_FLOOR, low), (high + 1, 65536)) if b - a > 1]
     rng = random.Random()
-    for _ in range(64):
-        port = rng.randrange(_PORT_FLOOR, low) if low > _PORT_FLOOR + 1 else 0
-        if port and _bindable(host, port):
+    for _ in range(64 if spans else 0):
+        port = rng.randrange(*rng.choice(spans))
+        if _bindable(family, port):
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind(("::" if family == socket.AF_INET6 else "", 0))
         return int(s.getsockname()[1])
 
 
 _PORT_FLOOR = 20000  # below this sit the well-known and registered services people run
 
 
-def _ephemeral_low() -> int:
-    """The first port the kernel hands out for outgoing connections (Linux; 32768 elsewhere)."""
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for outgoing connections (Linux; the IANA range elsewhere)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+            low, high = (int(x) for x in f.read().split()[:2])
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def _family(host: str) -> socket.AddressFamily:
+    """IPv6 for an IPv6 address (or a name that only has one), else IPv4; resolved once."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return socket.AF_INET
+    families = {info[0] for info in infos}
+    return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
+
+
+def _bindable(family: socket.AddressFamily, port: int) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
-            s.bind((host, port))
+            s.bind(("::" if family == socket.AF_INET6 else "", port))
         except OSError:
             return False
     return True
@@ -108,21 +130,31 @@ PORT_ATTEMPTS = 3  # launches in all when the rendezvous port we picked is taken
 
 
 def launch_retrying_taken_ports(launch_once: Callable[[], T]) -> T:
-    """``launch_once()``, again (up to ``PORT_ATTEMPTS`` in all) while it fails only because the
-    rendezvous port it picked was taken between the pick and rank 0's bind.
+    """``launch_once()``, again (up to ``PORT_ATTEMPTS`` in all) while it fails because the
+    rendezvous port it picked was taken between the pick and rank 0's bind
+    (``WorkerFailure.port_taken``).
 
-    Nothing of the task has run at that point (rank 0 fails in its rendezvous, the others are
-    stopped while they wait in theirs), so launching again loses nothing. Callers that fix the
-    port themselves call ``launch_once`` directly: another try would meet the same port.
+    Rank 0 fails in its rendezvous and the others are stopped while they wait in theirs, so the
+    work of the task has not started; only what a task does before it joins its coordinator
+    runs again. Callers that fix the port themselves call ``launch_once`` directly: another try
+    would meet the same port.
     """
     for attempt in range(1, PORT_ATTEMPTS + 1):
         try:
             return launch_once()
         except LaunchError as exc:
-            taken = any("RendezvousPortTakenError:" in (f.traceback or "") for f in exc.failures)
+            taken = [f for f in exc.failures if f.port_taken]
             if not taken or attempt == PORT_ATTEMPTS:
                 raise
-            logger.warning("the rendezvous port was taken before rank 0 bound it; launching again")
+            last = taken[0].traceback.strip().splitlines()[-1:] or [""]
+            logger.warning(
+                "launch attempt %d of %d: the rendezvous port was taken before rank %d bound it "
+                "(%s); launching again on another port",
+                attempt,
+                PORT_ATTEMPTS,
+                taken[0].rank,
+                last[0],
+            )
     raise AssertionError("unreachable")
 
 

@@ -99,14 +99,15 @@ class MPLauncher(Launcher):
 
     def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
         packed = pack_launch(task_type, kwargs)
+        started = time.monotonic()
         if self._master_port:
-            return self._launch_once(packed, self._master_port)
+            return self._launch_once(packed, self._master_port, started)
         return launch_retrying_taken_ports(
-            lambda: self._launch_once(packed, find_free_port(self._master_addr))
+            lambda: self._launch_once(packed, find_free_port(self._master_addr), started)
         )
 
-    def _launch_once(self, packed: bytes, port: int) -> list[Any]:
-        run = _Run(self, packed, port)
+    def _launch_once(self, packed: bytes, port: int, started: float) -> list[Any]:
+        run = _Run(self, packed, port, started)
         results = None
         try:
             run.start()
@@ -120,9 +121,10 @@ class MPLauncher(Launcher):
 class _Run:
     """The processes of one launch, and everything needed to stop them."""
 
-    def __init__(self, launcher: MPLauncher, packed: bytes, port: int) -> None:
+    def __init__(self, launcher: MPLauncher, packed: bytes, port: int, started: float) -> None:
         self._launcher = launcher
-        self._deadline = None if launcher._timeout is None else time.monotonic() + launcher._timeout
+        # the timeout counts from launch(): a launch again on a fresh port does not restart it
+        self._deadline = None if launcher._timeout is None else started + launcher._timeout
         self._packed = packed
         self._port = port
         self.procs: list[Any] = []
@@ -207,7 +209,10 @@ class _Run:
     def _failure(self, rank: int, outcome: WorkerOutcome) -> WorkerFailure:
         if outcome.traceback:
             return WorkerFailure(
-                rank=rank, reason="raised an exception", traceback=outcome.traceback
+                rank=rank,
+                reason="raised an exception",
+                traceback=outcome.traceback,
+                port_taken=outcome.port_taken,
             )
         proc = self.procs[rank]
         return WorkerFailure(

@@ -135,13 +135,14 @@ class RayLauncher(Launcher):
         serialization.prepare()  # now that ray.cloudpickle is loaded, register there too
         owned = self._connect(ray)
         try:
-            return launch_retrying_taken_ports(lambda: self._launch_once(ray, packed))
+            started = time.monotonic()  # the timeouts count from here, across launches again
+            return launch_retrying_taken_ports(lambda: self._launch_once(ray, packed, started))
         finally:
             if owned and not self._keep_ray:
                 ray.shutdown()
 
-    def _launch_once(self, ray: Any, packed: bytes) -> list[Any]:
-        run = _Run(self, ray, time.monotonic())
+    def _launch_once(self, ray: Any, packed: bytes, started: float) -> list[Any]:
+        run = _Run(self, ray, started)
         try:
             return run.execute(packed)
         finally:
@@ -429,7 +430,12 @@ def _running_cluster_address() -> str | None:
 def _outcome_failure(rank: int, outcome: WorkerOutcome) -> WorkerFailure | None:
     if outcome.ok:
         return None
-    return WorkerFailure(rank=rank, reason="raised an exception", traceback=outcome.traceback)
+    return WorkerFailure(
+        rank=rank,
+        reason="raised an exception",
+        traceback=outcome.traceback,
+        port_taken=outcome.port_taken,
+    )
 
 
 def _ray_failure(rank: int, exc: Exception) -> WorkerFailure:
