@@ -243,7 +243,7 @@ def _progressions_case(device: str) -> None:
         dsts += [w13[e, 0], w13[e, 1], w2[e]]
         srcs += [experts[e, 0, :8], experts[e, 1, :8], experts[e, 2, :, 8:]]
     loose = [torch.zeros(16, 8, dtype=torch.int16, device=device) for _ in range(6)]
-    dsts += loose  # separate allocations: never one view, gathered or copied one by one
+    dsts += loose  # separate allocations: on CUDA a raw view where they step evenly
     srcs += [experts[e, 2, :, :8] for e in range(6)]
     uneven = torch.zeros(16, 8, 16, dtype=torch.int16, device=device)
     dsts += [uneven[i] for i in (0, 1, 2, 3, 4, 6, 8, 10, 12, 14)]  # the step changes once
@@ -251,7 +251,11 @@ def _progressions_case(device: str) -> None:
     program = CopyProgram(dsts, srcs)
     # gate, up, down: one copy each; uneven: 0..4 and 4..14 share pair 4, which one takes
     runs = sorted(d.shape[0] for d, _ in program._solo if d.dim() == 3)
-    assert runs == [5, 5, 40, 40, 40], [tuple(d.shape) for d, _ in program._solo]
+    fresh = [d.data_ptr() - loose[0].data_ptr() for d in loose]
+    if device == "cuda" and fresh == [256 * k for k in range(6)]:  # the allocator's order
+        assert runs == [5, 5, 6, 40, 40, 40], [tuple(d.shape) for d, _ in program._solo]
+    else:  # separate allocations: gathered or copied one by one
+        assert runs == [5, 5, 40, 40, 40], [tuple(d.shape) for d, _ in program._solo]
     for step in range(2):
         flat.add_(step + 1)
         program.run()
@@ -700,6 +704,92 @@ def test_share_storages_moves_cpu_storages_in_place(monkeypatch: pytest.MonkeyPa
     gc.collect()
     assert common.shared_arena(start) is None  # gone with the last of them
     assert common.arena_range(start) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
+def test_gather_device_storages_moves_small_vram_storages_in_place() -> None:
+    """The trainer's small CUDA tensors keep identity and values and lie one after another, in
+    the order given, in arenas of at most ``arena_bytes``; views given along move with them;
+    storages of ``max_bytes`` and up, on the CPU, or already moved stay; a storage with a view
+    the caller did not give moves (the view follows) where torch swaps storages' memory, and
+    stays where it cannot; the arenas can be mapped by a same-node peer (CUDA IPC) and go with
+    the last tensor moved into them."""
+    import gc
+
+    from vllm_dist.implementations.communicators import common
+    from vllm_dist.implementations.communicators.nixl_rdt import CudaIpcHandle
+
+    swap = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    experts = [torch.nn.Parameter(torch.full((64, 32), float(i), device="cuda")) for i in range(40)]
+    big = torch.arange(1 << 18, dtype=torch.float32, device="cuda")  # 1 MiB: stays
+    host = torch.ones(64)
+    spare = torch.zeros(64, device="cuda")
+    view = spare[8:16]  # given too: moves with it
+    kept = torch.zeros(64, device="cuda")
+    outside = kept[1:]  # not given
+    before = kept.data_ptr()
+    moved = common.gather_device_storages(
+        [*experts, big, host, spare, view, kept], max_bytes=1 << 20, arena_bytes=16 * 8192
+    )
+    assert moved == 40 * 8192 + 256 + (256 if swap else 0)
+    first = common.shared_arena(experts[0].data_ptr())
+    assert first is not None and first.is_cuda and first.numel() == 16 * 8192
+    for i, e in enumerate(experts):  # 16 to an arena, each right after the one before
+        assert e.data_ptr() == experts[i // 16 * 16].data_ptr() + (i % 16) * 8192
+        assert torch.equal(e.detach(), torch.full((64, 32), float(i), device="cuda"))
+    assert common.arena_range(experts[16].data_ptr()) != common.arena_range(experts[0].data_ptr())
+    assert (
+        common.shared_arena(big.data_ptr()) is None and common.shared_arena(host.data_ptr()) is None
+    )
+    assert common.arena_range(spare.data_ptr()) is not None
+    spare.add_(1)
+    assert view.tolist() == [1.0] * 8 and view.data_ptr() == spare.data_ptr() + 32
+    assert (kept.data_ptr() != before) is swap and (common.shared_arena(before) is None) is not swap
+    kept.add_(2)
+    assert outside.tolist() == [2.0] * 63  # it sees the tensor's memory, old or new
+    experts[3].data.add_(1)  # the arena sees the trainer's writes
+    assert first[3 * 8192 : 3 * 8192 + 4].view(torch.float32).item() == 4.0
+    assert common.gather_device_storages(experts, max_bytes=1 << 20) == 0  # already moved
+    handle = CudaIpcHandle.of(first)  # what a consumer maps: the arena, a block of its own
+    assert handle.rebuild is not None
+    start = first.data_ptr()
+    del first, handle
+    gc.collect()
+    assert common.shared_arena(start) is not None  # its tensors hold it
+    del experts
+    gc.collect()
+    assert common.arena_range(start) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
+def test_copy_program_progressions_span_allocations_on_cuda() -> None:
+    """Shards of many expert weights, each into a tensor of its own that the caching allocator
+    laid out one after another: runs that step evenly on both sides become one strided copy
+    each, through a raw view of the destinations' range, and not a copy or a gather per pair;
+    every byte lands where ``copy_`` puts it, over runs with changing contents, and the
+    program keeps the destinations' storages."""
+    from vllm_dist.implementations.communicators.common import CopyProgram
+
+    gen = torch.Generator().manual_seed(5)
+    flat = torch.randint(-100, 100, (300, 3, 64, 32), dtype=torch.int16, generator=gen).cuda()
+    srcs, dsts = [], []
+    for e in range(300):
+        for w in range(3):  # a column-parallel half of w1 and w3, a row-parallel half of w2
+            src = flat[e, w, 32:] if w < 2 else flat[e, w].view(32, 64)[:, 16:48]
+            srcs.append(src)
+            dsts.append(torch.zeros(32, 32, dtype=torch.int16, device="cuda"))
+    program = CopyProgram(dsts, srcs)
+    assert len(program._solo) < 100 and not program._batches and not program._gathers
+    assert any(o.data_ptr() == dsts[0].data_ptr() for o in program._owners)
+    for step in range(3):
+        flat.add_(step + 1)
+        program.run()
+        for d, s in zip(dsts, srcs, strict=True):
+            assert torch.equal(d.cpu(), s.cpu()), step
+    assert program.graphed and program.graph_error is None
+    program.close()
 
 
 def test_share_storages_is_safe_across_threads() -> None:

@@ -1401,6 +1401,27 @@ def test_read_path_trainer_weights_move_to_shared_memory_cpu(shapes: dict[str, A
     assert off["syncs"][-1]["packed"] > 0, off["syncs"]
 
 
+@distributed_test(gpus=1, timeout=400)
+def test_read_path_trainer_weights_move_to_vram_arenas_one_gpu(shapes: dict[str, Any]) -> None:
+    """``share_gpu_weights`` (the default) on one GPU: at set-up the producer moves the
+    trainer's storages below ``direct_bytes`` into VRAM arenas, in place, and the consumers map
+    them (CUDA IPC), so chunks of small weights are read in place, not packed; the larger
+    weights are read in place one by one from sync 2 on, so nothing is packed from then on.
+    Weights rewritten in place every sync stay byte-exact. Off: nothing moves and the producer
+    packs the small weights every sync."""
+    _needs_nixl()
+    producers = {}
+    for share in (True, False):
+        config = replace(_STEADY, share_gpu_weights=share)
+        results = _one_to_two("cuda", syncs=4, shapes=shapes, config=config)
+        _assert_verified(results, 4)
+        producers[share] = results[0]
+    on, off = producers[True], producers[False]
+    assert on["shared_bytes"] > 0 and off["shared_bytes"] == 0, (on, off)
+    assert [s["packed"] for s in on["syncs"]][1:] == [0] * 3, on["syncs"]
+    assert off["syncs"][-1]["packed"] > 0, off["syncs"]
+
+
 @distributed_test(timeout=150)
 def test_read_path_flat_buffer_is_read_in_place_through_shared_memory_cpu(
     shapes: dict[str, Any],

@@ -175,7 +175,111 @@ def _share_storages(tensors: Iterable[torch.Tensor], min_bytes: int) -> int:
     return sum(storage.nbytes() for storage, _ in places)
 
 
-# share_storages' arenas: (first address, past the last, weak reference to the arena's
+DEVICE_ARENA_BYTES = 256 << 20  # the most ``gather_device_storages`` moves into one arena
+
+
+def gather_device_storages(
+    tensors: Iterable[torch.Tensor], *, max_bytes: int, arena_bytes: int = DEVICE_ARENA_BYTES
+) -> int:
+    """Move the CUDA storages behind ``tensors`` that are smaller than ``max_bytes`` into
+    arenas, in place: ``share_storages`` for VRAM, where any allocation can be mapped by a
+    same-node peer (CUDA IPC) but each is a mapping of its own. A trainer that keeps 100,000
+    expert weights in tensors of their own gets them laid out one after another, in the order
+    the tensors come, in one allocation per ``arena_bytes``: a consumer maps a few arenas and
+    copies its shard of every weight straight from them, with strided copies that span many
+    weights, where it would otherwise read a packed copy (on one GPU shared by the processes,
+    the pack is a second pass over every byte).
+
+    Every tensor keeps its values and identity; data pointers taken before the move go stale
+    (a CUDA graph the trainer recorded over its weights, registrations of the old addresses).
+    Where torch can swap a storage's memory (``_swap_data_ptr_``), every view of a moved
+    storage sees the new memory; on builds without it each tensor given is re-pointed
+    (``set_``), and a storage moves only if no tensor but those holds it (a view the trainer
+    kept elsewhere would be left on the old memory). The old blocks go back to the caching
+    allocator, whose free segments are released after each arena. A moved storage cannot be
+    resized or shared through ``torch.multiprocessing``; in-place writes and new tensors
+    (``p.data = ...``) are unaffected. Storages of other devices, already in an arena, or not
+    resizable stay. Thread-safe. Returns the bytes moved.
+    """
+    swap = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    with _ARENA_LOCK:
+        _prune_arenas()
+        arenas = [(start, end) for start, end, _ in _ARENAS]
+        storages: dict[int, torch.UntypedStorage] = {}
+        users: dict[int, dict[int, torch.Tensor]] = {}
+        for tensor in tensors:
+            if not tensor.is_cuda or tensor.layout is not torch.strided:
+                continue
+            storage = tensor.untyped_storage()
+            at, nbytes = storage.data_ptr(), storage.nbytes()
+            if not 0 < nbytes < max_bytes or not storage.resizable():
+                continue
+            if any(a <= at < b for a, b in arenas):
+                continue
+            storages.setdefault(at, storage)
+            users.setdefault(at, {})[id(tensor)] = tensor
+        storage = None  # the loop's last wrapper: no holder to count
+        if not swap:  # each holder of the storage is one of ours (and ours holds one more)
+            for at in list(storages):
+                held = torch._C._storage_Use_Count(storages[at]._cdata)  # type: ignore[attr-defined]
+                if held != len(users[at]) + 1:
+                    del storages[at]
+        groups: list[list[int]] = []
+        group_bytes = arena_bytes
+        for at, storage in storages.items():
+            nbytes = -(-storage.nbytes() // 256) * 256
+            if group_bytes + nbytes > arena_bytes:
+                groups.append([])
+                group_bytes = 0
+            groups[-1].append(at)
+            group_bytes += nbytes
+        moved = 0
+        for group in groups:
+            moved += _move_to_arena(
+                [storages[at] for at in group], [list(users[at].values()) for at in group], swap
+            )
+            torch.cuda.empty_cache()  # the segments the group's old blocks leave free
+        return moved
+
+
+def _move_to_arena(
+    storages: list[torch.UntypedStorage], users: list[list[torch.Tensor]], swap: bool
+) -> int:
+    """One CUDA arena for ``storages`` (of one device), each 256 bytes aligned: each
+    storage's memory swapped for its slice of the arena (``swap``), else each of its
+    ``users`` re-pointed at the arena. Under ``_ARENA_LOCK``."""
+    places, end = [], 0
+    for storage in storages:
+        places.append(end)
+        end += -(-storage.nbytes() // 256) * 256
+    device = storages[0].device
+    arena = torch.empty(end, dtype=torch.uint8, device=device)
+    olds = []
+    for storage in storages:
+        old = torch.empty(0, dtype=torch.uint8, device=device)
+        olds.append(old.set_(storage, 0, (storage.nbytes(),), (1,)))  # type: ignore[arg-type]
+    news = [arena[at : at + s.nbytes()] for at, s in zip(places, storages, strict=True)]
+    with torch.cuda.device(device):
+        torch._foreach_copy_(news, olds)
+        torch.cuda.current_stream(device).synchronize()  # before the old blocks go back
+    whole = arena.untyped_storage()
+    base = whole.data_ptr()
+    weak: int = whole._weak_ref()  # type: ignore[assignment]  # an int handle
+    _ARENAS.append((base, base + end, weak))
+    del olds, news, arena
+    for storage, at, held in zip(storages, places, users, strict=True):
+        if swap:
+            storage._swap_data_ptr_(whole[at : at + storage.nbytes()])  # type: ignore[attr-defined]
+            continue
+        with torch.no_grad():
+            for t in held:
+                offset = at // t.element_size() + t.storage_offset()
+                t.set_(whole, offset, t.shape, t.stride())  # type: ignore[call-overload]
+    return sum(s.nbytes() for s in storages)
+
+
+# the arenas of share_storages and gather_device_storages (one address space: CUDA's is
+# unified with the host's): (first address, past the last, weak reference to the arena's
 # storage, which lives as long as a storage moved into it does); guarded by _ARENA_LOCK
 _ARENAS: list[tuple[int, int, int]] = []
 _ARENA_LOCK = threading.Lock()
@@ -199,7 +303,7 @@ def shared_arena(address: int) -> torch.Tensor | None:
                 storage = torch.UntypedStorage._new_with_weak_ptr(weak)  # type: ignore[attr-defined]
                 if storage is None:  # gone, and its range possibly reused
                     continue
-                out = torch.empty(0, dtype=torch.uint8)
+                out = torch.empty(0, dtype=torch.uint8, device=storage.device)
                 return out.set_(storage, 0, (end - start,), (1,))  # type: ignore[arg-type]
     return None
 
@@ -618,7 +722,7 @@ def _plan_copies(
         (d.dtype, s.dtype, d.shape, s.shape, d.stride(), s.stride(), d.device, s.device)
         for d, s in zip(dsts, srcs, strict=True)
     ]
-    taken = _progressions(dsts, srcs, layouts, solo)
+    taken = _progressions(dsts, srcs, layouts, solo, owners)
     gathers: list[RowGather | IndexedCopy] = []
     _indexed_runs(dsts, srcs, layouts, taken, gathers, owners)
     batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -703,19 +807,29 @@ def _progressions(
     srcs: list[torch.Tensor],
     layouts: list[tuple[Any, ...]],
     solo: list[tuple[torch.Tensor, torch.Tensor]],
+    owners: list[torch.UntypedStorage],
 ) -> set[int]:
     """Runs of ``STRIDE_MIN_PAIRS`` or more pairs of one layout (in the order given, other
     layouts between them) whose destinations step by one constant and sources by another,
-    each side within one storage, added to ``solo`` as one strided copy each (a dimension in
-    front); the positions they take. Measured on the 2-core CPU: 100,000 expert shards of 2 KiB
-    from a flat buffer into fused expert tensors, about 100 ms as row gathers, one memcpy's
-    time as 96 strided copies."""
+    added to ``solo`` as one strided copy each (a dimension in front); the positions they
+    take. Each side lies within one storage, or, on CUDA, is seen through a raw view of the
+    range it spans (``_strided_run``; the pairs' storages are added to ``owners``): an
+    inference engine's shards of 100,000 expert weights, each a tensor of its own, laid out
+    one after another by the caching allocator. Measured on the 2-core CPU: 100,000 expert
+    shards of 2 KiB from a flat buffer into fused expert tensors, about 100 ms as row
+    gathers, one memcpy's time as 96 strided copies."""
 
     def take(run: list[int], dstep: int, sstep: int) -> bool:
-        pair = _strided_run(dsts, srcs, run, dstep, sstep)
-        if pair is not None:
-            solo.append(pair)
-        return pair is not None
+        found = _strided_run(dsts, srcs, run, dstep, sstep)
+        if found is None:
+            return False
+        dst, src, raw = found
+        solo.append((dst, src))
+        if raw:  # the views own nothing: the pairs' storages are kept instead
+            owners.extend(
+                t.untyped_storage() for side in (dsts, srcs) for t in (side[i] for i in run)
+            )
+        return True
 
     return _stepping_runs(
         layouts,
@@ -789,28 +903,46 @@ def _even_runs(d: np.ndarray, s: np.ndarray) -> list[tuple[int, int, int, int]]:
 
 def _strided_run(
     dsts: list[torch.Tensor], srcs: list[torch.Tensor], run: list[int], dstep: int, sstep: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """The pairs ``run`` (one layout, addresses stepping by ``dstep`` / ``sstep`` bytes) as
-    one pair of views with a leading dimension, or None where a side leaves its storage or
-    a step is not a positive multiple of the element size."""
+    one pair of views with a leading dimension and whether a view is raw (below), or None
+    where a step is not a positive
+    multiple of the element size, or a side leaves its first storage off CUDA.
+
+    On CUDA a side that spans allocations (tensors of their own, one after another) is a
+    view of a raw tensor over the range (``_raw_tensor``, owning nothing, its storage of
+    0 bytes): the view touches exactly the pairs' elements, since they step evenly, and a copy
+    kernel, unlike a memcpy, does not mind that they belong to several allocations."""
     views = []
+    raw_views = False
     for side, step in ((dsts, dstep), (srcs, sstep)):
         first, last = side[run[0]], side[run[-1]]
         size = first.element_size()
         if step <= 0 or step % size:
             return None
+        sizes = (len(run), *first.shape)
+        strides = (step // size, *first.stride())
+        reach = sum((n - 1) * st for n, st in zip(sizes, strides, strict=True))
         storage = first.untyped_storage()
         start = storage.data_ptr()
-        if not start <= last.data_ptr() < start + storage.nbytes():
+        inside = start <= last.data_ptr() < start + storage.nbytes()
+        if inside and (first.storage_offset() + 1 + reach) * size <= storage.nbytes():
+            views.append(first.as_strided(sizes, strides, first.storage_offset()))
+            continue
+        if first.device.type != "cuda" or min(first.stride(), default=0) < 0:
             return None  # another allocation: no view of the first one reaches it
-        view = first.as_strided(
-            (len(run), *first.shape), (step // size, *first.stride()), first.storage_offset()
-        )
-        reach = sum((n - 1) * st for n, st in zip(view.shape, view.stride(), strict=True))
-        if (view.storage_offset() + 1 + reach) * size > storage.nbytes():
+        # from a 16-byte boundary, so that the storage offset tells widest_views the alignment
+        base = first.data_ptr() // 16 * 16
+        lead = (first.data_ptr() - base) // size
+        as_int = _INT_OF_SIZE.get(size)
+        if as_int is None or (first.data_ptr() - base) % size:
             return None
-        views.append(view)
-    return widest_views(views[0], views[1])
+        raw = _raw_tensor(base, lead + reach + 1, as_int, first.device)
+        if raw is None:
+            return None
+        views.append(raw.view(first.dtype).as_strided(sizes, strides, lead))
+        raw_views = True
+    return (*widest_views(views[0], views[1]), raw_views)
 
 
 def _indexed_runs(

@@ -75,6 +75,7 @@ from vllm_dist.implementations.communicators.common import (
     CopyProgram,
     arena_range,
     batched_copy,
+    gather_device_storages,
     share_storages,
     shared_arena,
     shared_empty,
@@ -194,6 +195,15 @@ class TransferConfig:
             read in place too, all of them lying in one arena. Tensors the trainer puts in
             new storage later are read through NIXL again, and a consumer admitted after
             set-up moves nothing. False: leave the trainer's memory alone.
+        share_gpu_weights: the same on CUDA, where consumers map the producer's VRAM (CUDA
+            IPC): the source's storages smaller than ``direct_bytes`` (larger ones are read in
+            place one by one anyway) move into arenas of up to 256 MiB
+            (``gather_device_storages``), so consumers copy their shards of 100,000 expert
+            weights straight from a few mappings, with strided copies that span many weights.
+            On one GPU shared by the processes, the pack it spares was a second pass over
+            every byte, serialized with the consumers' copies. The trainer's data pointers
+            taken before set-up go stale (a CUDA graph recorded over its weights). False:
+            leave the trainer's memory alone (small weights are packed every sync).
         replay: READ path, producers with a resident source. A sync in which every tensor is
             where it was last sync runs as a replay of that sync: one message per consumer, no
             per-chunk work (module docstring, "Steady state"). False: every sync chunk by
@@ -219,6 +229,7 @@ class TransferConfig:
     strided_reads: bool | None = None
     mapped_unpack: bool = True
     share_cpu_weights: bool = True
+    share_gpu_weights: bool = True
     replay: bool = True
     push_threads: bool | None = None
 
@@ -585,11 +596,13 @@ class WeightProducer(_Engine):
         self.setup_seconds = time.perf_counter() - start
 
     def _share_weights(self) -> None:
-        """``TransferConfig.share_cpu_weights``: at set-up, before any address is recorded."""
+        """``TransferConfig.share_cpu_weights`` / ``share_gpu_weights``: at set-up, before any
+        address is recorded."""
+        kind = self.communicator.device.type
+        wanted = {"cpu": self.config.share_cpu_weights, "cuda": self.config.share_gpu_weights}
         if not (
             self._read
-            and self.config.share_cpu_weights
-            and self.communicator.device.type == "cpu"
+            and wanted.get(kind, False)
             and self._resident
             and any(pair.maps for pair in self._pairs.values())
         ):
@@ -597,9 +610,13 @@ class WeightProducer(_Engine):
         # in the order chunks take them: a consumer's items then step evenly through the arena
         # (its shard of each of 100,000 expert weights), and its copies batch into few
         tensors = self.source.current(self._served_names)
-        if tensors is not None:
+        if tensors is None:
+            return
+        if kind == "cpu":
             self.shared_bytes = share_storages(tensors)
-            self._phase("share weights")
+        else:
+            self.shared_bytes = gather_device_storages(tensors, max_bytes=self.config.direct_bytes)
+        self._phase("share weights")
 
     def _expose_rings(self) -> None:
         """Expose every serve ring once; collective with the consumers' ``_connect_read``."""
@@ -1234,7 +1251,7 @@ class WeightProducer(_Engine):
         key = _home(view)
         known = self._source_names.get(key)
         if known is None:
-            arena = shared_arena(storage.data_ptr()) if view.device.type == "cpu" else None
+            arena = shared_arena(storage.data_ptr())
             fresh = key not in self._seen_sources[0] and arena is None
             if fresh and not getattr(self.source, "in_place", False):
                 self._seen_sources[1].add(key)
@@ -1606,7 +1623,7 @@ def _home(view: torch.Tensor) -> tuple[int, int]:
     there), else its storage."""
     storage = view.untyped_storage()
     at = storage.data_ptr()
-    arena = arena_range(at) if view.device.type == "cpu" else None
+    arena = arena_range(at)
     return arena if arena is not None else (at, storage.nbytes())
 
 
