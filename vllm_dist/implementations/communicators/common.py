@@ -205,24 +205,11 @@ def gather_device_storages(
     with _ARENA_LOCK:
         _prune_arenas()
         arenas = [(start, end) for start, end, _ in _ARENAS]
-        storages: dict[int, torch.UntypedStorage] = {}
-        users: dict[int, dict[int, torch.Tensor]] = {}
-        for tensor in tensors:
-            if not tensor.is_cuda or tensor.layout is not torch.strided:
-                continue
-            storage = tensor.untyped_storage()
-            at, nbytes = storage.data_ptr(), storage.nbytes()
-            if not 0 < nbytes < max_bytes or not storage.resizable():
-                continue
-            if any(a <= at < b for a, b in arenas):
-                continue
-            storages.setdefault(at, storage)
-            users.setdefault(at, {})[id(tensor)] = tensor
-        storage = None  # the loop's last wrapper: no holder to count
+        storages, users = _device_storages(tensors, max_bytes, arenas)
         if not swap:  # each holder of the storage is one of ours (and ours holds one more)
             for at in list(storages):
                 held = torch._C._storage_Use_Count(storages[at]._cdata)  # type: ignore[attr-defined]
-                if held != len(users[at]) + 1:
+                if held != len(users[at]) + 1 or not all(map(_repointable, users[at].values())):
                     del storages[at]
         groups: list[list[int]] = []
         group_bytes = arena_bytes
@@ -240,6 +227,38 @@ def gather_device_storages(
             )
             torch.cuda.empty_cache()  # the segments the group's old blocks leave free
         return moved
+
+
+def _device_storages(
+    tensors: Iterable[torch.Tensor], max_bytes: int, arenas: list[tuple[int, int]]
+) -> tuple[dict[int, torch.UntypedStorage], dict[int, dict[int, torch.Tensor]]]:
+    """``gather_device_storages``' candidates: {address: storage} (one wrapper each, and no
+    other left behind) and {address: {id: each tensor given that uses it}}."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    users: dict[int, dict[int, torch.Tensor]] = {}
+    for tensor in tensors:
+        if not tensor.is_cuda or tensor.layout is not torch.strided:
+            continue
+        storage = tensor.untyped_storage()
+        at, nbytes = storage.data_ptr(), storage.nbytes()
+        if 0 < nbytes < max_bytes and storage.resizable():
+            if not any(a <= at < b for a, b in arenas):
+                storages.setdefault(at, storage)
+                users.setdefault(at, {})[id(tensor)] = tensor
+    return storages, users
+
+
+def _repointable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor.set_`` may point it at other memory (not for ``.detach()``'s and
+    ``.data``'s tensors): tried by pointing it where it already is."""
+    try:
+        with torch.no_grad():
+            tensor.set_(  # type: ignore[call-overload]
+                tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+            )
+    except RuntimeError:
+        return False
+    return True
 
 
 def _move_to_arena(
