@@ -241,10 +241,10 @@ def _device_storages(
             continue
         storage = tensor.untyped_storage()
         at, nbytes = storage.data_ptr(), storage.nbytes()
-        if 0 < nbytes < max_bytes and storage.resizable():
-            if not any(a <= at < b for a, b in arenas):
-                storages.setdefault(at, storage)
-                users.setdefault(at, {})[id(tensor)] = tensor
+        fits = 0 < nbytes < max_bytes and storage.resizable()
+        if fits and not any(a <= at < b for a, b in arenas):
+            storages.setdefault(at, storage)
+            users.setdefault(at, {})[id(tensor)] = tensor
     return storages, users
 
 
