@@ -72,6 +72,7 @@ import numpy as np
 import torch
 
 from vllm_dist.implementations.communicators.common import (
+    DEVICE_ARENA_BYTES,
     CopyProgram,
     arena_range,
     batched_copy,
@@ -196,8 +197,9 @@ class TransferConfig:
             new storage later are read through NIXL again, and a consumer admitted after
             set-up moves nothing. False: leave the trainer's memory alone.
         share_gpu_weights: the same on CUDA, where consumers map the producer's VRAM (CUDA
-            IPC): the source's storages smaller than ``direct_bytes`` (larger ones are read in
-            place one by one anyway) move into arenas of up to 256 MiB
+            IPC): the storages of the weights that travel in chunks of several (the ones below
+            ``direct_bytes``; larger ones are read in place one by one) move into arenas of
+            up to 256 MiB
             (``gather_device_storages``), so consumers copy their shards of 100,000 expert
             weights straight from a few mappings, with strided copies that span many weights.
             On one GPU shared by the processes, the pack it spares was a second pass over
@@ -615,8 +617,34 @@ class WeightProducer(_Engine):
         if kind == "cpu":
             self.shared_bytes = share_storages(tensors)
         else:
-            self.shared_bytes = gather_device_storages(tensors, max_bytes=self.config.direct_bytes)
+            self.shared_bytes = sum(
+                gather_device_storages(bundle, max_bytes=DEVICE_ARENA_BYTES, arena_bytes=1 << 62)
+                for bundle in self._chunk_bundles(
+                    dict(zip(self._served_names, tensors, strict=True))
+                )
+            )
         self._phase("share weights")
+
+    def _chunk_bundles(self, tensors: Mapping[str, torch.Tensor]) -> list[list[torch.Tensor]]:
+        """The tensors of the items that travel together (chunks of several items, of the
+        consumers that map this rank's memory), in chunk order, cut into bundles of up to
+        ``DEVICE_ARENA_BYTES`` between chunks: one arena each, so that no chunk spans two
+        (its items would be packed)."""
+        bundles: list[list[torch.Tensor]] = [[]]
+        size, seen = 0, set()
+        for pair in self._pairs.values():
+            for c in pair.chunks if pair.maps else ():
+                if len(c.items) < 2:
+                    continue
+                names = [n for n in pair.views[c.index].names if n not in seen]
+                seen.update(names)
+                nbytes = sum(tensors[n].untyped_storage().nbytes() for n in names)
+                if size and size + nbytes > DEVICE_ARENA_BYTES:
+                    bundles.append([])
+                    size = 0
+                bundles[-1] += [tensors[n] for n in names]
+                size += nbytes
+        return bundles
 
     def _expose_rings(self) -> None:
         """Expose every serve ring once; collective with the consumers' ``_connect_read``."""
