@@ -209,7 +209,7 @@ def gather_device_storages(
         if not swap:  # each holder of the storage is one of ours (and ours holds one more)
             for at in list(storages):
                 held = torch._C._storage_Use_Count(storages[at]._cdata)  # type: ignore[attr-defined]
-                if held != len(users[at]) + 1 or not all(map(_repointable, users[at].values())):
+                if held != len(users[at]) + 1:
                     del storages[at]
         groups: list[list[int]] = []
         group_bytes = arena_bytes
@@ -248,19 +248,6 @@ def _device_storages(
     return storages, users
 
 
-def _repointable(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor.set_`` may point it at other memory (not for ``.detach()``'s and
-    ``.data``'s tensors): tried by pointing it where it already is."""
-    try:
-        with torch.no_grad():
-            tensor.set_(  # type: ignore[call-overload]
-                tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
-            )
-    except RuntimeError:
-        return False
-    return True
-
-
 def _move_to_arena(
     storages: list[torch.UntypedStorage], users: list[list[torch.Tensor]], swap: bool
 ) -> int:
@@ -286,15 +273,34 @@ def _move_to_arena(
     weak: int = whole._weak_ref()  # type: ignore[assignment]  # an int handle
     _ARENAS.append((base, base + end, weak))
     del olds, news, arena
+    moved = sum(s.nbytes() for s in storages)
     for storage, at, held in zip(storages, places, users, strict=True):
         if swap:
             storage._swap_data_ptr_(whole[at : at + storage.nbytes()])  # type: ignore[attr-defined]
             continue
-        with torch.no_grad():
-            for t in held:
-                offset = at // t.element_size() + t.storage_offset()
-                t.set_(whole, offset, t.shape, t.stride())  # type: ignore[call-overload]
-    return sum(s.nbytes() for s in storages)
+        if not _repoint(held, whole, at, storage):
+            moved -= storage.nbytes()
+    return moved
+
+
+def _repoint(
+    tensors: list[torch.Tensor], arena: torch.UntypedStorage, at: int, old: torch.UntypedStorage
+) -> bool:
+    """Point ``tensors`` (the users of storage ``old``) at its copy ``at`` bytes into
+    ``arena``; where one refuses (``set_`` is not for every tensor), point back the ones
+    done and return False: all or none of them move."""
+    done: list[tuple[torch.Tensor, int]] = []
+    with torch.no_grad():
+        try:
+            for t in tensors:
+                offset = int(t.storage_offset())
+                t.set_(arena, at // t.element_size() + offset, t.shape, t.stride())  # type: ignore[call-overload]
+                done.append((t, offset))
+        except RuntimeError:
+            for t, offset in done:
+                t.set_(old, offset, t.shape, t.stride())  # type: ignore[call-overload]
+            return False
+    return True
 
 
 # the arenas of share_storages and gather_device_storages (one address space: CUDA's is
