@@ -41,6 +41,7 @@ class EnvTask(DistributedTask):
             "LOCAL_WORLD_SIZE",
             "MASTER_ADDR",
             "MASTER_PORT",
+            "VLLM_DIST_LAUNCH_ID",
             "VD_TEST_MINE",
             "VD_TEST_JSON",
         )
@@ -121,6 +122,66 @@ def test_results_in_rank_order_with_torchrun_env(make_launcher, n: int) -> None:
         assert r["kwargs"] == {"alpha": 1, "beta": [2]}
         assert WorkerInfo.from_env(r["env"]) == r["info"]
     assert len({r["pid"] for r in results}) == n
+    assert len({r["info"].launch_id for r in results}) == 1 and results[0]["info"].launch_id
+
+
+def _join_rendezvous(fields: dict[str, Any], timeout: float, out: Any) -> None:
+    """A worker that joins the rendezvous ``fields`` name and gathers every rank's launch id."""
+    from vllm_dist.implementations.coordinators.torch_distributed import (
+        TorchDistributedCoordinator,
+    )
+
+    coordinator = TorchDistributedCoordinator(WorkerInfo(**fields), timeout=timeout)
+    out.put((fields["launch_id"], "joining", None))
+    try:
+        coordinator.initialize()
+        ids = coordinator.all_gather_object(fields["launch_id"])
+        out.put((fields["launch_id"], "joined", ids))
+        coordinator.barrier()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put((fields["launch_id"], "failed", type(exc).__name__))
+    finally:
+        coordinator.close()
+
+
+@distributed_test(timeout=90)
+def test_a_worker_of_another_launch_on_the_same_port_cannot_take_a_place() -> None:
+    """Two launches that drew the same port: rank 0 of launch A listens, a rank 1 of launch B
+    reaches the port before A's rank 1 does. The rendezvous is kept under each launch's id,
+    so A's two ranks still meet each other (not the stray), and the stray times out (without
+    the fence, it would take rank 1's place and A's own rank 1 would be the one left out)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = find_free_port()
+    base = {"world_size": 2, "local_world_size": 2, "master_addr": "127.0.0.1", "master_port": port}
+    rank0 = {**base, "rank": 0, "local_rank": 0, "launch_id": "launch-a"}
+    stray = {**base, "rank": 1, "local_rank": 1, "launch_id": "launch-b"}
+    rank1 = {**base, "rank": 1, "local_rank": 1, "launch_id": "launch-a"}
+    procs = [ctx.Process(target=_join_rendezvous, args=(rank0, 30.0, out))]
+    procs.append(ctx.Process(target=_join_rendezvous, args=(stray, 8.0, out)))
+    try:
+        procs[0].start()
+        procs[1].start()
+        seen = {out.get(timeout=30)[0] for _ in range(2)}  # both are about to join
+        assert seen == {"launch-a", "launch-b"}
+        time.sleep(1.0)  # the stray reaches the port first
+        procs.append(ctx.Process(target=_join_rendezvous, args=(rank1, 30.0, out)))
+        procs[2].start()
+        reports = [out.get(timeout=40) for _ in range(4)]  # rank 1's joining, three verdicts
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    verdicts = sorted((who, what, str(x)) for who, what, x in reports if what != "joining")
+    assert verdicts == [
+        ("launch-a", "joined", str(["launch-a", "launch-a"])),
+        ("launch-a", "joined", str(["launch-a", "launch-a"])),
+        ("launch-b", "failed", "CoordinatorTimeoutError"),
+    ], verdicts
 
 
 @distributed_test()

@@ -13,12 +13,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+LAUNCH_ID_ENV = "VLLM_DIST_LAUNCH_ID"  # WorkerInfo.launch_id in a worker's environment
+
+
+def new_launch_id() -> str:
+    """A fresh ``WorkerInfo.launch_id``."""
+    import secrets
+
+    return secrets.token_hex(8)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerInfo:
     """What a worker knows about its place in the launch (torchrun's variables, typed).
 
     ``local_*`` describe the worker's node: ``local_rank`` picks the worker's device.
+    ``launch_id`` names one launch (one try of it): the coordinator keeps its rendezvous under
+    it, so that a worker of another launch that reaches the same port (two launches that drew
+    the same free port at once) cannot take a place in this one's rendezvous. Empty (torchrun's
+    workers, a fleet that two launches join at a port they agreed on): no such fence.
     """
 
     rank: int
@@ -28,6 +41,7 @@ class WorkerInfo:
     master_addr: str
     master_port: int
     node_rank: int = 0
+    launch_id: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -49,6 +63,7 @@ class WorkerInfo:
             "GROUP_RANK": str(self.node_rank),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
+            **({LAUNCH_ID_ENV: self.launch_id} if self.launch_id else {}),
         }
 
     @classmethod
@@ -76,6 +91,7 @@ class WorkerInfo:
             master_addr=env["MASTER_ADDR"],
             master_port=int(env["MASTER_PORT"]),
             node_rank=int(env.get("GROUP_RANK", 0)),
+            launch_id=env.get(LAUNCH_ID_ENV, ""),
         )
 
 

@@ -57,14 +57,24 @@ class TorchDistributedCoordinator(WorkerCoordinator):
                     f"{info.rank}/{info.world_size}; destroy the existing process group first"
                 )
         else:
+            timeout = datetime.timedelta(seconds=self._timeout)
             try:
-                dist.init_process_group(
-                    backend="gloo",
-                    init_method=f"tcp://{_host(info.master_addr)}:{info.master_port}",
-                    rank=info.rank,
-                    world_size=info.world_size,
-                    timeout=datetime.timedelta(seconds=self._timeout),
-                )
+                if info.launch_id:
+                    dist.init_process_group(
+                        backend="gloo",
+                        store=_launch_store(info, timeout),
+                        rank=info.rank,
+                        world_size=info.world_size,
+                        timeout=timeout,
+                    )
+                else:
+                    dist.init_process_group(
+                        backend="gloo",
+                        init_method=f"tcp://{_host(info.master_addr)}:{info.master_port}",
+                        rank=info.rank,
+                        world_size=info.world_size,
+                        timeout=timeout,
+                    )
             except (RuntimeError, dist.DistStoreError) as exc:
                 if _address_in_use(exc):
                     raise RendezvousPortTakenError(
@@ -215,6 +225,22 @@ def new_torch_group(
     )
     assert group is not None
     return group
+
+
+def _launch_store(info: WorkerInfo, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store of ``info``'s launch: rank 0's TCP store, every key under the
+    launch's id. Rank 0 does not count the clients that connect (``wait_for_workers``): a
+    worker of another launch that reached this port would count as one of ours; each rank
+    waits for its peers' keys instead, and a stray worker waits for keys no one writes."""
+    store = dist.TCPStore(
+        info.master_addr.strip("[]"),
+        info.master_port,
+        info.world_size,
+        is_master=info.rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(f"vllm_dist/{info.launch_id}", store)
 
 
 def _address_in_use(exc: BaseException) -> bool:

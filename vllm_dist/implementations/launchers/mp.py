@@ -41,6 +41,7 @@ from vllm_dist.interfaces import (
     WorkerFailure,
     WorkerInfo,
 )
+from vllm_dist.interfaces.launcher import new_launch_id
 
 _PR_SET_PDEATHSIG = 1
 
@@ -133,6 +134,7 @@ class _Run:
 
     def start(self) -> None:
         n = self._launcher.n_tasks
+        launch_id = new_launch_id()
         for rank in range(n):
             info = WorkerInfo(
                 rank=rank,
@@ -141,6 +143,7 @@ class _Run:
                 local_world_size=n,
                 master_addr=self._launcher._master_addr,
                 master_port=self._port,
+                launch_id=launch_id,
             )
             self._start_one(info)
         if self._forwarder is not None:

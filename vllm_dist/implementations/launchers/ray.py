@@ -44,6 +44,7 @@ from vllm_dist.interfaces import (
     WorkerFailure,
     WorkerInfo,
 )
+from vllm_dist.interfaces.launcher import new_launch_id
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _INLINE_LIMIT = 1 << 20  # packed launches above this go through the object store once
@@ -353,6 +354,7 @@ def worker_infos(placements: Sequence[_Placement]) -> list[WorkerInfo]:
     assert master.free_port is not None, "rank 0 reports the rendezvous port"
     node_ranks: dict[str, int] = {}
     members: dict[str, list[int]] = {}
+    launch_id = new_launch_id()  # one per try: a try again on another port is another launch
     for rank, p in enumerate(placements):
         node_ranks.setdefault(p.node_id, len(node_ranks))
         members.setdefault(p.node_id, []).append(rank)
@@ -365,6 +367,7 @@ def worker_infos(placements: Sequence[_Placement]) -> list[WorkerInfo]:
             master_addr=master.node_ip,
             master_port=master.free_port,
             node_rank=node_ranks[p.node_id],
+            launch_id=launch_id,
         )
         for rank, p in enumerate(placements)
     ]
