@@ -792,6 +792,25 @@ def test_copy_program_progressions_span_allocations_on_cuda() -> None:
     program.close()
 
 
+def test_repoint_moves_all_users_of_a_storage_or_none() -> None:
+    """Without storage swaps, ``gather_device_storages`` re-points each tensor of a moved
+    storage; where one refuses (an inference tensor outside inference mode), the ones already
+    re-pointed go back, so no tensor is left on other memory than its peers."""
+    from vllm_dist.implementations.communicators.common import _repoint
+
+    arena = torch.arange(64, dtype=torch.float32).untyped_storage()
+    a = torch.zeros(8)
+    view = a[2:]
+    assert _repoint([a, view], arena, 64, a.untyped_storage())
+    assert a.tolist() == [float(i) for i in range(16, 24)] and view.data_ptr() == a.data_ptr() + 8
+    b = torch.zeros(8)
+    with torch.inference_mode():
+        frozen = torch.zeros(8)
+    before = b.data_ptr()
+    assert not _repoint([b, frozen], arena, 0, b.untyped_storage())
+    assert b.data_ptr() == before and b.tolist() == [0.0] * 8
+
+
 def test_share_storages_is_safe_across_threads() -> None:
     """Threads moving the same storages at once: each storage moves once, values intact."""
     import threading

@@ -1810,3 +1810,34 @@ def test_push_path_nccl_consumer_death_ends_the_producers_sync(shapes: dict[str,
     named = re.search(r"consumer\(s\) \[([\d, ]+)\] failed", str(producers))
     assert (named and "1" in named.group(1).split(", ")) or "stall" in str(producers), producers
     assert time.monotonic() - start < 120
+
+
+def test_vram_arena_bundles_follow_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``share_gpu_weights`` moves the weights that travel in chunks of several, in chunk
+    order, each weight once, into arenas cut between chunks (a chunk that spanned two arenas
+    would be packed); single-item chunks and consumers that do not map stay out."""
+    from types import SimpleNamespace
+
+    from vllm_dist.tasks.weight_transfer import engine
+
+    monkeypatch.setattr(engine, "DEVICE_ARENA_BYTES", 9 * 1024 + 512)
+    tensors = {f"w{i}": torch.zeros(256) for i in range(12)}  # 1 KiB each
+
+    def pair(maps: bool, chunks: list[list[str]]) -> SimpleNamespace:
+        made = [SimpleNamespace(index=k, items=tuple(range(len(c)))) for k, c in enumerate(chunks)]
+        views = {k: SimpleNamespace(names=c) for k, c in enumerate(chunks)}
+        return SimpleNamespace(maps=maps, chunks=made, views=views)
+
+    fake = SimpleNamespace(
+        _pairs={
+            2: pair(True, [["w0", "w1", "w2", "w3"], ["w4"], ["w5", "w6", "w7", "w8"]]),
+            3: pair(True, [["w1", "w0", "w9"], ["w10", "w5"]]),  # seen ones are not moved twice
+            4: pair(False, [["w11", "w3"]]),  # reads through NIXL: its chunks do not count
+        }
+    )
+    bundles = engine.WeightProducer._chunk_bundles(fake, tensors)  # type: ignore[arg-type]
+    names = {id(t): n for n, t in tensors.items()}
+    assert [[names[id(t)] for t in b] for b in bundles] == [
+        ["w0", "w1", "w2", "w3", "w5", "w6", "w7", "w8", "w9"],
+        ["w10"],
+    ]
