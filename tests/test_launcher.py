@@ -311,6 +311,49 @@ def _start_parent(tmp_path) -> tuple[subprocess.Popen[bytes], set[int]]:
     return parent, {int(p.stem) for p in tmp_path.glob("*.pid")}
 
 
+_ABANDONED_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from vllm_dist import MPLauncher, DistributedTask
+
+    class Sleep(DistributedTask):
+        def run(self):
+            with open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w") as f:
+                f.write("x")
+            time.sleep(600)
+
+    if __name__ == "__main__":
+        launch = lambda: MPLauncher(2, timeout=300).launch(task_type=Sleep)
+        threading.Thread(target=launch, daemon=True).start()
+        while len([n for n in os.listdir(sys.argv[1]) if n.endswith(".pid")]) < 2:
+            time.sleep(0.1)
+    """
+)
+
+
+@distributed_test(timeout=120)
+def test_interpreter_exit_stops_a_launch_left_on_a_daemon_thread(tmp_path) -> None:
+    """A program that ends while a launch still runs on a daemon thread (a test that gave up
+    on it) exits at once and takes the workers with it, instead of waiting in
+    multiprocessing's exit handler, which joins worker processes, for their tasks to end."""
+    script = tmp_path / "abandon.py"
+    script.write_text(_ABANDONED_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], env={**os.environ, "PYTHONPATH": path}
+    )
+    try:
+        parent.wait(timeout=60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=10)
+    workers = {int(p.stem) for p in tmp_path.glob("*.pid")}
+    assert len(workers) == 2 and parent.returncode == 0, parent.returncode
+    assert not _wait_gone(workers, timeout=10), "workers outlived the program"
+
+
 @distributed_test(timeout=120)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
 def test_workers_die_with_the_parent(tmp_path, sig: int) -> None:

@@ -10,6 +10,7 @@ others are stopped without waiting for a collective timeout. Rejected alternativ
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
@@ -20,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -131,8 +133,11 @@ class _Run:
         self.procs: list[Any] = []
         self.results: list[mpc.Connection] = []
         self._forwarder = _OutputForwarder() if launcher._prefix_output else None
+        self._stop_lock = threading.Lock()
+        self._stopped = False
 
     def start(self) -> None:
+        _stop_at_exit(self)
         n = self._launcher.n_tasks
         launch_id = new_launch_id()
         for rank in range(n):
@@ -271,6 +276,14 @@ class _Run:
         Waits ``exit_wait`` s for workers to exit by themselves, sends SIGTERM, waits the stop
         grace, then SIGKILLs each worker's process group (also reaching what a worker started).
         """
+        with self._stop_lock:  # the launch's own thread, or the interpreter's exit
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stop(exit_wait)
+        _LIVE_RUNS.discard(self)
+
+    def _stop(self, exit_wait: float) -> None:
         deadline = time.monotonic() + exit_wait
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -285,6 +298,28 @@ class _Run:
             self._forwarder.close(timeout=2.0)
         for conn in self.results:
             conn.close()
+
+
+# launches whose workers may still run; stopped when the interpreter exits (a launch left on a
+# daemon thread, such as a test's that timed out), before multiprocessing's own exit handler
+# would join those workers, which are not daemons, for as long as their tasks run
+_LIVE_RUNS: weakref.WeakSet[_Run] = weakref.WeakSet()
+_EXIT_HOOKED = False
+_EXIT_LOCK = threading.Lock()
+
+
+def _stop_at_exit(run: _Run) -> None:
+    global _EXIT_HOOKED
+    with _EXIT_LOCK:
+        _LIVE_RUNS.add(run)
+        if not _EXIT_HOOKED:  # registered after multiprocessing's handler: runs before it
+            atexit.register(_stop_live_runs)
+            _EXIT_HOOKED = True
+
+
+def _stop_live_runs() -> None:
+    for run in list(_LIVE_RUNS):
+        run.stop(exit_wait=0.0)
 
 
 def _signal_groups(procs: list[Any], sig: int, also_dead: bool = False) -> None:
