@@ -279,39 +279,8 @@ def test_output_lines_carry_rank_prefix(capfd) -> None:
     assert "[rank0]:raw fd write 0" in err and "[rank1]:raw fd write 1" in err
 
 
-_PARENT_SCRIPT = textwrap.dedent(
-    """
-    import os, sys, time
-    from vllm_dist import MPLauncher, DistributedTask
-
-    class Sleep(DistributedTask):
-        def run(self):
-            with open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w") as f:
-                f.write("x")
-            time.sleep(600)
-
-    if __name__ == "__main__":
-        MPLauncher(2, timeout=120).launch(task_type=Sleep)
-    """
-)
-
-
-def _start_parent(tmp_path) -> tuple[subprocess.Popen[bytes], set[int]]:
-    script = tmp_path / "parent.py"
-    script.write_text(_PARENT_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # importable uninstalled
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("*.pid"))) < 2:
-        assert time.monotonic() < deadline, "workers did not start"
-        assert parent.poll() is None, "parent died"
-        time.sleep(0.1)
-    return parent, {int(p.stem) for p in tmp_path.glob("*.pid")}
-
-
-_ABANDONED_SCRIPT = textwrap.dedent(
+# a program with a task whose workers write their pid into the folder argv[1] names and sleep
+_SLEEP_TASK = textwrap.dedent(
     """
     import os, sys, threading, time
     from vllm_dist import MPLauncher, DistributedTask
@@ -321,7 +290,38 @@ _ABANDONED_SCRIPT = textwrap.dedent(
             with open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w") as f:
                 f.write("x")
             time.sleep(600)
+    """
+)
+_PARENT_SCRIPT = _SLEEP_TASK + textwrap.dedent(
+    """
+    if __name__ == "__main__":
+        MPLauncher(2, timeout=120).launch(task_type=Sleep)
+    """
+)
 
+
+def _run_script(tmp_path, text: str) -> subprocess.Popen[bytes]:
+    """``text`` run as a program with ``tmp_path`` as its argument, vllm_dist importable."""
+    script = tmp_path / "parent.py"
+    script.write_text(text)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # importable uninstalled
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+
+
+def _start_parent(tmp_path) -> tuple[subprocess.Popen[bytes], set[int]]:
+    parent = _run_script(tmp_path, _PARENT_SCRIPT)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2:
+        assert time.monotonic() < deadline, "workers did not start"
+        assert parent.poll() is None, "parent died"
+        time.sleep(0.1)
+    return parent, {int(p.stem) for p in tmp_path.glob("*.pid")}
+
+
+_ABANDONED_SCRIPT = _SLEEP_TASK + textwrap.dedent(
+    """
     if __name__ == "__main__":
         launch = lambda: MPLauncher(2, timeout=300).launch(task_type=Sleep)
         threading.Thread(target=launch, daemon=True).start()
@@ -336,13 +336,7 @@ def test_interpreter_exit_stops_a_launch_left_on_a_daemon_thread(tmp_path) -> No
     """A program that ends while a launch still runs on a daemon thread (a test that gave up
     on it) exits at once and takes the workers with it, instead of waiting in
     multiprocessing's exit handler, which joins worker processes, for their tasks to end."""
-    script = tmp_path / "abandon.py"
-    script.write_text(_ABANDONED_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    parent = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)], env={**os.environ, "PYTHONPATH": path}
-    )
+    parent = _run_script(tmp_path, _ABANDONED_SCRIPT)
     try:
         parent.wait(timeout=60)
     finally:

@@ -1388,38 +1388,36 @@ def test_read_path_trainer_weights_move_to_shared_memory_cpu(shapes: dict[str, A
     weights' included, is read in place and nothing is packed. The weights, rewritten in
     place every sync through the trainer's own tensors, stay byte-exact. Off: nothing moves
     and the producer packs."""
-    _needs_nixl()
-    producers = {}
-    for share in (True, False):
-        config = replace(_STEADY, share_cpu_weights=share)
-        results = _one_to_two("cpu", syncs=4, shapes=shapes, config=config)
-        _assert_verified(results, 4)
-        producers[share] = results[0]
-    on, off = producers[True], producers[False]
-    assert on["shared_bytes"] > 0 and off["shared_bytes"] == 0, (on, off)
+    on = _weights_moved_or_not(shapes, "cpu", "share_cpu_weights")
     assert [s["packed"] for s in on["syncs"]] == [0] * 4, on["syncs"]
-    assert off["syncs"][-1]["packed"] > 0, off["syncs"]
 
 
 @distributed_test(gpus=1, timeout=400)
 def test_read_path_trainer_weights_move_to_vram_arenas_one_gpu(shapes: dict[str, Any]) -> None:
     """``share_gpu_weights`` (the default) on one GPU: at set-up the producer moves the
-    trainer's storages below ``direct_bytes`` into VRAM arenas, in place, and the consumers map
-    them (CUDA IPC), so chunks of small weights are read in place, not packed; the larger
-    weights are read in place one by one from sync 2 on, so nothing is packed from then on.
-    Weights rewritten in place every sync stay byte-exact. Off: nothing moves and the producer
-    packs the small weights every sync."""
+    storages of the weights that travel in chunks of several into VRAM arenas, in place, and
+    the consumers map them (CUDA IPC), so those chunks are read in place, not packed; the
+    larger weights are read in place one by one from sync 2 on, so nothing is packed from then
+    on. Weights rewritten in place every sync stay byte-exact. Off: nothing moves and the
+    producer packs the small weights every sync."""
+    on = _weights_moved_or_not(shapes, "cuda", "share_gpu_weights")
+    assert [s["packed"] for s in on["syncs"]][1:] == [0] * 3, on["syncs"]
+
+
+def _weights_moved_or_not(shapes: dict[str, Any], device: str, flag: str) -> dict[str, Any]:
+    """The same fleet with the producer's ``flag`` on and off, 4 syncs each, byte-exact; the
+    producer's result with it on (it moved bytes; off, nothing moved and it packed)."""
     _needs_nixl()
     producers = {}
     for share in (True, False):
-        config = replace(_STEADY, share_gpu_weights=share)
-        results = _one_to_two("cuda", syncs=4, shapes=shapes, config=config)
+        config = replace(_STEADY, **{flag: share})
+        results = _one_to_two(device, syncs=4, shapes=shapes, config=config)
         _assert_verified(results, 4)
         producers[share] = results[0]
     on, off = producers[True], producers[False]
     assert on["shared_bytes"] > 0 and off["shared_bytes"] == 0, (on, off)
-    assert [s["packed"] for s in on["syncs"]][1:] == [0] * 3, on["syncs"]
     assert off["syncs"][-1]["packed"] > 0, off["syncs"]
+    return on
 
 
 @distributed_test(timeout=150)
