@@ -1813,13 +1813,16 @@ def test_push_path_nccl_consumer_death_ends_the_producers_sync(shapes: dict[str,
 def test_vram_arena_bundles_follow_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """``share_gpu_weights`` moves the weights that travel in chunks of several, in chunk
     order, each weight once, into arenas cut between chunks (a chunk that spanned two arenas
-    would be packed); single-item chunks and consumers that do not map stay out."""
+    would be packed); single-item chunks, consumers that do not map, and weights that share a
+    storage (a flat buffer) stay out."""
     from types import SimpleNamespace
 
     from vllm_dist.tasks.weight_transfer import engine
 
     monkeypatch.setattr(engine, "DEVICE_ARENA_BYTES", 9 * 1024 + 512)
     tensors = {f"w{i}": torch.zeros(256) for i in range(12)}  # 1 KiB each
+    flat = torch.zeros(512)
+    tensors |= {"f0": flat[:256], "f1": flat[256:]}  # a flat buffer: one home already
 
     def pair(maps: bool, chunks: list[list[str]]) -> SimpleNamespace:
         made = [SimpleNamespace(index=k, items=tuple(range(len(c)))) for k, c in enumerate(chunks)]
@@ -1828,8 +1831,8 @@ def test_vram_arena_bundles_follow_chunks(monkeypatch: pytest.MonkeyPatch) -> No
 
     fake = SimpleNamespace(
         _pairs={
-            2: pair(True, [["w0", "w1", "w2", "w3"], ["w4"], ["w5", "w6", "w7", "w8"]]),
-            3: pair(True, [["w1", "w0", "w9"], ["w10", "w5"]]),  # seen ones are not moved twice
+            2: pair(True, [["w0", "w1", "w2", "w3"], ["w4"], ["w5", "f0", "w6", "w7", "w8"]]),
+            3: pair(True, [["w1", "w0", "w9"], ["w10", "w5", "f1"]]),  # seen ones: moved once
             4: pair(False, [["w11", "w3"]]),  # reads through NIXL: its chunks do not count
         }
     )

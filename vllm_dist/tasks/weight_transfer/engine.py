@@ -61,7 +61,7 @@ import operator
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -627,16 +627,22 @@ class WeightProducer(_Engine):
 
     def _chunk_bundles(self, tensors: Mapping[str, torch.Tensor]) -> list[list[torch.Tensor]]:
         """The tensors of the items that travel together (chunks of several items, of the
-        consumers that map this rank's memory), in chunk order, cut into bundles of up to
-        ``DEVICE_ARENA_BYTES`` between chunks: one arena each, so that no chunk spans two
-        (its items would be packed)."""
+        consumers that map this rank's memory), each in a storage of its own, in chunk order,
+        cut into bundles of up to ``DEVICE_ARENA_BYTES`` between chunks: one arena each, so
+        that no chunk spans two (its items would be packed). A storage that holds several
+        weights (a trainer's flat buffer) is one home for them already: it stays."""
+        homes = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
         bundles: list[list[torch.Tensor]] = [[]]
         size, seen = 0, set()
         for pair in self._pairs.values():
             for c in pair.chunks if pair.maps else ():
                 if len(c.items) < 2:
                     continue
-                names = [n for n in pair.views[c.index].names if n not in seen]
+                names = [
+                    n
+                    for n in pair.views[c.index].names
+                    if n not in seen and homes[tensors[n].untyped_storage().data_ptr()] == 1
+                ]
                 seen.update(names)
                 nbytes = sum(tensors[n].untyped_storage().nbytes() for n in names)
                 if size and size + nbytes > DEVICE_ARENA_BYTES:
