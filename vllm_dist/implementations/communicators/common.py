@@ -206,11 +206,15 @@ def gather_device_storages(
         _prune_arenas()
         arenas = [(start, end) for start, end, _ in _ARENAS]
         storages, users = _device_storages(tensors, max_bytes, arenas)
-        if not swap:  # each holder of the storage is one of ours (and ours holds one more)
-            for at in list(storages):
-                held = torch._C._storage_Use_Count(storages[at]._cdata)  # type: ignore[attr-defined]
-                if held != len(users[at]) + 1:
-                    del storages[at]
+        # the storages whose every holder is one of the tensors given (and this wrapper): the
+        # ones that may move without a swap, by re-pointing those tensors
+        alone = {
+            at
+            for at, storage in storages.items()
+            if torch._C._storage_Use_Count(storage._cdata) == len(users[at]) + 1  # type: ignore[attr-defined]
+        }
+        if not swap:
+            storages = {at: st for at, st in storages.items() if at in alone}
         groups: list[list[int]] = []
         group_bytes = arena_bytes
         for at, storage in storages.items():
@@ -223,7 +227,9 @@ def gather_device_storages(
         moved = 0
         for group in groups:
             moved += _move_to_arena(
-                [storages[at] for at in group], [list(users[at].values()) for at in group], swap
+                [storages[at] for at in group],
+                [list(users[at].values()) if at in alone else None for at in group],
+                swap,
             )
             torch.cuda.empty_cache()  # the segments the group's old blocks leave free
         return moved
@@ -249,11 +255,12 @@ def _device_storages(
 
 
 def _move_to_arena(
-    storages: list[torch.UntypedStorage], users: list[list[torch.Tensor]], swap: bool
+    storages: list[torch.UntypedStorage], users: list[list[torch.Tensor] | None], swap: bool
 ) -> int:
     """One CUDA arena for ``storages`` (of one device), each 256 bytes aligned: each
-    storage's memory swapped for its slice of the arena (``swap``), else each of its
-    ``users`` re-pointed at the arena. Under ``_ARENA_LOCK``."""
+    storage's memory swapped for its slice of the arena (``swap``, while the build can), else
+    each of its ``users`` re-pointed at the arena (None: something else holds the storage too,
+    so it stays). Under ``_ARENA_LOCK``."""
     places, end = [], 0
     for storage in storages:
         places.append(end)
@@ -276,10 +283,13 @@ def _move_to_arena(
     moved = sum(s.nbytes() for s in storages)
     for storage, at, held in zip(storages, places, users, strict=True):
         if swap:
-            storage._swap_data_ptr_(whole[at : at + storage.nbytes()])  # type: ignore[attr-defined]
-            continue
-        if not _repoint(held, whole, at, storage):
-            moved -= storage.nbytes()
+            try:
+                storage._swap_data_ptr_(whole[at : at + storage.nbytes()])  # type: ignore[attr-defined]
+                continue
+            except (RuntimeError, TypeError, NotImplementedError):
+                swap = False  # this build swaps no CUDA storage: re-point from here on
+        if held is None or not _repoint(held, whole, at, storage):
+            moved -= storage.nbytes()  # held elsewhere too: it stays, its slot unused
     return moved
 
 
