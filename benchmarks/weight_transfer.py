@@ -298,6 +298,7 @@ def run_case(
         strided_reads={"auto": None, "on": True, "off": False}[args.strided],
         mapped_unpack=not args.no_mapped_unpack,
         replay=not args.no_replay,
+        gather_cpu_params=not args.no_gather_params,
     )
     # one intra-op thread per worker, as torchrun sets: workers share the cores
     env = {"OMP_NUM_THREADS": str(args.threads)}
@@ -350,6 +351,7 @@ def run_case(
         "sync_s": sync_s,
         "replay": not args.no_replay,
         "mapped_unpack": not args.no_mapped_unpack,
+        "gather_params": not args.no_gather_params,
         "in_place": args.in_place,
         "flat": args.flat,
         "fused_experts": args.fused_experts,
@@ -444,6 +446,12 @@ def main() -> None:
         action="store_true",
         help="TransferConfig(mapped_unpack=False): packed chunks are read into staging, then "
         "unpacked, also where the consumer maps the producer's ring",
+    )
+    ap.add_argument(
+        "--no-gather-params",
+        action="store_true",
+        help="TransferConfig(gather_cpu_params=False): CPU consumers leave their parameters "
+        "where they are (100,000 tensors of their own) instead of moving them into one arena",
     )
     ap.add_argument(
         "--in-place",

@@ -230,6 +230,7 @@ def test_copy_program_merged_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def _progressions_case(device: str) -> None:
+    from vllm_dist.implementations.communicators import common
     from vllm_dist.implementations.communicators.common import CopyProgram
 
     gen = torch.Generator().manual_seed(9)
@@ -243,19 +244,17 @@ def _progressions_case(device: str) -> None:
         dsts += [w13[e, 0], w13[e, 1], w2[e]]
         srcs += [experts[e, 0, :8], experts[e, 1, :8], experts[e, 2, :, 8:]]
     loose = [torch.zeros(16, 8, dtype=torch.int16, device=device) for _ in range(6)]
-    dsts += loose  # separate allocations: on CUDA a raw view where they step evenly
+    assert common.gather_device_storages(loose, max_bytes=1 << 20) == 6 * 256  # 256 B apart
+    dsts += loose  # separate allocations stepping evenly: one strided copy through a raw view
     srcs += [experts[e, 2, :, :8] for e in range(6)]
     uneven = torch.zeros(16, 8, 16, dtype=torch.int16, device=device)
     dsts += [uneven[i] for i in (0, 1, 2, 3, 4, 6, 8, 10, 12, 14)]  # the step changes once
     srcs += [experts[i, 0, 8:] for i in range(10)]
     program = CopyProgram(dsts, srcs)
-    # gate, up, down: one copy each; uneven: 0..4 and 4..14 share pair 4, which one takes
+    # gate, up, down, loose: one copy each; uneven: 0..4 and 4..14 share pair 4, which one takes
     runs = sorted(d.shape[0] for d, _ in program._solo if d.dim() == 3)
-    fresh = [d.data_ptr() - loose[0].data_ptr() for d in loose]
-    if device == "cuda" and fresh == [fresh[1] * k for k in range(6)]:  # the allocator's order
-        assert runs == [5, 5, 6, 40, 40, 40], [tuple(d.shape) for d, _ in program._solo]
-    else:  # separate allocations: gathered or copied one by one
-        assert runs == [5, 5, 40, 40, 40], [tuple(d.shape) for d, _ in program._solo]
+    assert runs == [5, 5, 6, 40, 40, 40], [tuple(d.shape) for d, _ in program._solo]
+    assert any(o.data_ptr() == loose[0].data_ptr() for o in program._owners)
     for step in range(2):
         flat.add_(step + 1)
         program.run()
@@ -361,21 +360,27 @@ def _row_gather_case(device: str, staging: int | None = None) -> None:
             device
         )
 
+    # out of allocation order: separate allocations that happen to step evenly would be one
+    # strided copy (``_progressions``), not a gather
     experts = [rand(32, 64).view(torch.bfloat16) for _ in range(40)]
+    experts = [experts[i] for i in torch.randperm(40, generator=gen).tolist()]
     cube = rand(6, 8, 40)  # 3-D: rows of 16 int16 at two strides
     srcs = [e[:, 32:] for e in experts[:20]]  # packs: rows of 64 bytes -> int64
     # int64 rows; out of order, or the six would step evenly and be one strided copy
     srcs += [cube[i, :, 8:24] for i in (0, 2, 1, 4, 3, 5)] + [cube[:, 2:5, 24:40]] * 2
     srcs += [e[3:9, 2:8] for e in experts[20:32]]  # rows of 12 bytes -> int32, row 3
     srcs += [e[:4, 5:6] for e in experts[33:]]  # too few of this kind (< 8): one kernel each
-    srcs += [rand(100) for _ in range(9)]  # contiguous, 200 bytes: one row of 25 int64
+    blobs = [rand(100) for _ in range(9)]  # contiguous, 200 bytes: one row of 25 int64
+    srcs += [blobs[i] for i in (0, 5, 2, 7, 3, 8, 1, 6, 4)]  # no run of 4 stepping evenly
     slot = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
     dsts, offset = [], 24
     for s in srcs:  # 16-byte aligned: the 12- and 200-byte rows fall off their grid
         n = s.numel() * s.element_size()
         dsts.append(slot[offset : offset + n].view(s.dtype).view(s.shape))
         offset += -(-n // 16) * 16
-    unpacked = [torch.zeros_like(e) for e in experts[:20]]  # slot rows -> strided, on grid
+    unpacked: list[torch.Tensor] = [torch.empty(0)] * 20  # slot rows -> strided, on grid
+    for i in torch.randperm(20, generator=gen).tolist():  # allocated out of step
+        unpacked[i] = torch.zeros_like(experts[i])
     unpack = CopyProgram([u[:, :32] for u in unpacked], dsts[:20])
     program = CopyProgram(dsts, srcs)
     split = common.GATHER_STAGING_BYTES < 1 << 20
@@ -487,8 +492,12 @@ def _row_gather_runs_case(device: str) -> None:
         t = torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, generator=gen)
         return t.to(device).view(torch.bfloat16)
 
+    # out of allocation order (else runs of separate allocations stepping evenly would be
+    # strided copies, not gathers)
     w1 = [rand(64, 32) for _ in range(chunks * per_kind)]
+    w1 = [w1[i] for i in torch.randperm(len(w1), generator=gen).tolist()]
     w2 = [rand(32, 64) for _ in range(chunks * per_kind)]
+    w2 = [w2[i] for i in torch.randperm(len(w2), generator=gen).tolist()]
     srcs = []
     for c in range(chunks):  # a chunk lays its kinds side by side; the next chunk follows
         srcs += [t[:32] for t in w1[c * per_kind : (c + 1) * per_kind]]
@@ -499,10 +508,12 @@ def _row_gather_runs_case(device: str) -> None:
         dsts.append(slot[offset : offset + s.numel()].view(s.shape))
         offset += s.numel()
     # the engine's layout: w1 halves whole parameters, w2 halves the columns of one
-    params = [
-        torch.zeros_like(s) if s.is_contiguous() else torch.zeros_like(s).repeat(1, 2)[:, :32]
-        for s in srcs
-    ]
+    params: list[torch.Tensor] = [torch.empty(0)] * len(srcs)
+    for i in torch.randperm(len(srcs), generator=gen).tolist():  # allocated out of step
+        s = srcs[i]
+        params[i] = (
+            torch.zeros_like(s) if s.is_contiguous() else torch.zeros_like(s).repeat(1, 2)[:, :32]
+        )
     pack, unpack = CopyProgram(dsts, srcs), CopyProgram(params, dsts)
     for program in (pack, unpack):
         assert len(program._gathers) == 2 * chunks, len(program._gathers)
@@ -566,7 +577,8 @@ def test_copy_program_keeps_gathered_memory_and_stages_per_device() -> None:
     dsts = [torch.zeros(n) for _ in range(8)]
     whole = torch.randn(8 * n)
     program = CopyProgram(dsts, [whole[k * n : (k + 1) * n] for k in range(8)], graph=False)
-    assert len(program._gathers) == 1
+    # one gather, or one strided copy through raw views where the allocations step evenly
+    assert len(program._gathers) + len(program._solo) == 1
     for d in dsts:
         d.data = torch.zeros(n)  # re-pointed: the planned storage has no other owner
     gc.collect()
@@ -762,6 +774,41 @@ def test_gather_device_storages_moves_small_vram_storages_in_place() -> None:
     assert common.arena_range(start) is None
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="needs storage swaps (torch 2.12+)"
+)
+def test_gather_device_storages_lays_cpu_storages_out_in_order() -> None:
+    """On the CPU (an inference engine's own parameters): small storages move into one
+    private arena, one after another in the order given, each keeping its tensors' identity,
+    values and views (views the caller did not give too); storages in shared memory, of
+    ``max_bytes`` and up, or already moved stay; later writes reach the moved memory."""
+    from vllm_dist.implementations.communicators import common
+
+    params = [torch.nn.Parameter(torch.full((32, 32), float(i))) for i in range(50)]
+    order = [params[i] for i in torch.randperm(50, generator=torch.Generator().manual_seed(1))]
+    kept_view = params[7].data[3:5]  # an engine's own view of a weight, not given
+    shared = torch.ones(64).share_memory_()
+    big = torch.zeros(1 << 18)
+    before = (shared.data_ptr(), big.data_ptr())
+    moved = common.gather_device_storages([*order, shared, big], max_bytes=1 << 20)
+    assert moved == 50 * 4096
+    assert all(b.data_ptr() == a.data_ptr() + 4096 for a, b in itertools.pairwise(order))
+    assert all(
+        torch.equal(p.detach(), torch.full((32, 32), float(i))) for i, p in enumerate(params)
+    )
+    assert (shared.data_ptr(), big.data_ptr()) == before and shared.is_shared()
+    start, nbytes = common.arena_range(order[0].data_ptr()) or (0, 0)
+    assert start == order[0].data_ptr() and nbytes == 50 * 4096
+    arena = common.shared_arena(start)
+    assert arena is not None and not arena.is_shared()  # private memory
+    with torch.no_grad():
+        params[7].add_(1)
+    assert kept_view.data_ptr() == params[7].data_ptr() + 3 * 128 and bool((kept_view == 8).all())
+    at = params[7].data_ptr() - start
+    assert arena[at : at + 4].view(torch.float32).item() == 8.0
+    assert common.gather_device_storages(params, max_bytes=1 << 20) == 0  # already moved
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA device")
 def test_copy_program_progressions_span_allocations_on_cuda() -> None:
@@ -847,9 +894,17 @@ def test_copy_program_indexed_copy_cpu() -> None:
     gen = torch.Generator().manual_seed(3)
     flat = torch.randint(-(1 << 15), 1 << 15, (30 * 3 * 2048,), dtype=torch.int16, generator=gen)
     experts = flat.view(torch.bfloat16).view(30, 3, 64, 32)
-    gate = [torch.zeros(32, 32, dtype=torch.bfloat16) for _ in range(30)]
-    down = [torch.zeros(64, 16, dtype=torch.bfloat16) for _ in range(30)]
-    odd = [torch.zeros(5, 3, dtype=torch.bfloat16) for _ in range(30)]  # 6-byte rows: int16
+
+    def apart(*shape: int) -> list[torch.Tensor]:
+        """30 tensors allocated out of order: destinations that do not step evenly (ones that
+        happen to would be one strided copy through a raw view)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * 30
+        for i in torch.randperm(30, generator=gen).tolist():
+            out[i] = torch.zeros(*shape, dtype=torch.bfloat16)
+        return out
+
+    gate, down = apart(32, 32), apart(64, 16)
+    odd = apart(5, 3)  # 6-byte rows: int16
     dsts = [*gate, *down, *odd]
     srcs = [experts[e, 0, :32] for e in range(30)]  # contiguous 2 KiB, 12 KiB apart
     srcs += [experts[e, 2, :, 16:] for e in range(30)]  # column shards: rows of 32 bytes

@@ -1315,8 +1315,9 @@ def test_read_path_strided_reads_one_gpu(shapes: dict[str, Any]) -> None:
 def test_read_path_mapped_unpack_one_gpu(shapes: dict[str, Any]) -> None:
     """On one GPU (CUDA IPC) consumers copy packed items straight from the producer's ring
     into their parameters: nothing is unpacked from staging, chunk by chunk or replayed, while
-    the producer still packs. With ``mapped_unpack=False`` the same chunks are read into
-    staging and unpacked. Every byte is exact either way."""
+    the producer still packs (its weights left where they are: ``share_gpu_weights=False``).
+    With ``mapped_unpack=False`` the same chunks are read into staging and unpacked. Every
+    byte is exact either way."""
     _needs_nixl()
     runs = {}
     for mapped in (False, True):
@@ -1324,7 +1325,7 @@ def test_read_path_mapped_unpack_one_gpu(shapes: dict[str, Any]) -> None:
             "cuda",
             syncs=4,
             shapes=shapes,
-            config=replace(_STEADY, mapped_unpack=mapped),
+            config=replace(_STEADY, mapped_unpack=mapped, share_gpu_weights=False),
         )
         _assert_verified(results, 4)
         assert _replayed(results) == [[False, False, True, True]] * 3
@@ -1418,6 +1419,32 @@ def _weights_moved_or_not(shapes: dict[str, Any], device: str, flag: str) -> dic
     assert on["shared_bytes"] > 0 and off["shared_bytes"] == 0, (on, off)
     assert off["syncs"][-1]["packed"] > 0, off["syncs"]
     return on
+
+
+@pytest.mark.parametrize("comm", ["nixl_rdt", "torch_distributed"])
+@distributed_test(timeout=200)
+def test_consumer_parameters_move_into_an_arena_cpu(shapes: dict[str, Any], comm: str) -> None:
+    """``gather_cpu_params`` (the default): at set-up each CPU consumer moves the parameters
+    that receive items in chunks of several into one arena of its own (the one-sided READ
+    path and the send/recv path alike); every later sync, with the weights changing, lands
+    byte-exact in the moved parameters. Off: nothing moves, the same bytes land."""
+    if comm == "nixl_rdt":
+        _needs_nixl()
+    gathered = {}
+    for gather in (True, False):
+        results = _launch(
+            3,
+            timeout=150,
+            comm=CommunicatorType(comm),
+            num_producers=1,
+            num_consumers=2,
+            syncs=3,
+            shapes=shapes,
+            config=replace(_STEADY, gather_cpu_params=gather),
+        )
+        _assert_verified(results, 3)
+        gathered[gather] = [r["gathered_bytes"] for r in results if r["role"] == "consumer"]
+    assert all(n > 0 for n in gathered[True]) and gathered[False] == [0, 0], gathered
 
 
 @distributed_test(timeout=150)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import itertools
@@ -181,14 +182,16 @@ DEVICE_ARENA_BYTES = 256 << 20  # the most ``gather_device_storages`` moves into
 def gather_device_storages(
     tensors: Iterable[torch.Tensor], *, max_bytes: int, arena_bytes: int = DEVICE_ARENA_BYTES
 ) -> int:
-    """Move the CUDA storages behind ``tensors`` that are smaller than ``max_bytes`` into
-    arenas, in place: ``share_storages`` for VRAM, where any allocation can be mapped by a
+    """Move the CUDA (or CPU) storages behind ``tensors`` that are smaller than ``max_bytes``
+    into arenas, in place: ``share_storages`` for VRAM, where any allocation can be mapped by a
     same-node peer (CUDA IPC) but each is a mapping of its own. A trainer that keeps 100,000
     expert weights in tensors of their own gets them laid out one after another, in the order
     the tensors come, in one allocation per ``arena_bytes``: a consumer maps a few arenas and
     copies its shard of every weight straight from them, with strided copies that span many
     weights, where it would otherwise read a packed copy (on one GPU shared by the processes,
-    the pack is a second pass over every byte).
+    the pack is a second pass over every byte). On the CPU the arenas are private memory (for
+    an engine's own parameters: its copies into 100,000 tensors of their own become a few
+    strided copies); storages in shared memory or pinned stay there.
 
     Every tensor keeps its values and identity; data pointers taken before the move go stale
     (a CUDA graph the trainer recorded over its weights, registrations of the old addresses).
@@ -198,8 +201,9 @@ def gather_device_storages(
     kept elsewhere would be left on the old memory). The old blocks go back to the caching
     allocator, whose free segments are released after each arena. A moved storage cannot be
     resized or shared through ``torch.multiprocessing``; in-place writes and new tensors
-    (``p.data = ...``) are unaffected. Storages of other devices, already in an arena, or not
-    resizable stay. Thread-safe. Returns the bytes moved.
+    (``p.data = ...``) are unaffected. Storages of other devices (than the first tensor that
+    may move), already in an arena, or not resizable stay. Thread-safe. Returns the bytes
+    moved.
     """
     swap = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
     with _ARENA_LOCK:
@@ -231,7 +235,8 @@ def gather_device_storages(
                 [list(users[at].values()) if at in alone else None for at in group],
                 swap,
             )
-            torch.cuda.empty_cache()  # the segments the group's old blocks leave free
+            if storages[group[0]].device.type == "cuda":
+                torch.cuda.empty_cache()  # the segments the group's old blocks leave free
         return moved
 
 
@@ -242,54 +247,76 @@ def _device_storages(
     other left behind) and {address: {id: each tensor given that uses it}}."""
     storages: dict[int, torch.UntypedStorage] = {}
     users: dict[int, dict[int, torch.Tensor]] = {}
+    device: torch.device | None = None
+    cuda = torch.cuda.is_initialized()  # pinned memory exists only then (asking would start it)
+    starts = sorted(arenas)
     for tensor in tensors:
-        if not tensor.is_cuda or tensor.layout is not torch.strided:
+        here = tensor.device
+        if here != device and (device is not None or here.type not in ("cuda", "cpu")):
+            continue
+        if tensor.layout is not torch.strided:
             continue
         storage = tensor.untyped_storage()
-        at, nbytes = storage.data_ptr(), storage.nbytes()
+        at = storage.data_ptr()
+        if at in storages:
+            users[at][id(tensor)] = tensor
+            continue
+        nbytes = storage.nbytes()
         fits = 0 < nbytes < max_bytes and storage.resizable()
-        if fits and not any(a <= at < b for a, b in arenas):
-            storages.setdefault(at, storage)
-            users.setdefault(at, {})[id(tensor)] = tensor
+        if fits and here.type == "cpu":  # a peer may map shared memory; pinned stays pinned
+            fits = not storage.is_shared() and not (cuda and tensor.is_pinned())
+        if fits and starts:  # not in an arena already
+            k = bisect.bisect_right(starts, (at, math.inf)) - 1
+            fits = k < 0 or at >= starts[k][1]
+        if fits:
+            device = here
+            storages[at] = storage
+            users[at] = {id(tensor): tensor}
     return storages, users
 
 
 def _move_to_arena(
     storages: list[torch.UntypedStorage], users: list[list[torch.Tensor] | None], swap: bool
 ) -> int:
-    """One CUDA arena for ``storages`` (of one device), each 256 bytes aligned: each
+    """One arena for ``storages`` (of one device), each 256 bytes aligned: each
     storage's memory swapped for its slice of the arena (``swap``, while the build can), else
     each of its ``users`` re-pointed at the arena (None: something else holds the storage too,
     so it stays). Under ``_ARENA_LOCK``."""
+    sizes = [storage.nbytes() for storage in storages]
     places, end = [], 0
-    for storage in storages:
+    for nbytes in sizes:
         places.append(end)
-        end += -(-storage.nbytes() // 256) * 256
+        end += -(-nbytes // 256) * 256
     device = storages[0].device
     arena = torch.empty(end, dtype=torch.uint8, device=device)
-    olds = []
-    for storage in storages:
-        old = torch.empty(0, dtype=torch.uint8, device=device)
-        olds.append(old.set_(storage, 0, (storage.nbytes(),), (1,)))  # type: ignore[arg-type]
-    news = [arena[at : at + s.nbytes()] for at, s in zip(places, storages, strict=True)]
-    with torch.cuda.device(device):
-        torch._foreach_copy_(news, olds)
-        torch.cuda.current_stream(device).synchronize()  # before the old blocks go back
     whole = arena.untyped_storage()
     base = whole.data_ptr()
+    if device.type == "cuda":
+        olds = []
+        for storage, nbytes in zip(storages, sizes, strict=True):
+            old = torch.empty(0, dtype=torch.uint8, device=device)
+            olds.append(old.set_(storage, 0, (nbytes,), (1,)))  # type: ignore[arg-type]
+        news = [arena[at : at + n] for at, n in zip(places, sizes, strict=True)]
+        with torch.cuda.device(device):
+            torch._foreach_copy_(news, olds)
+            torch.cuda.current_stream(device).synchronize()  # before the old blocks go back
+        del olds, news
+    else:
+        for storage, at, nbytes in zip(storages, places, sizes, strict=True):
+            ctypes.memmove(base + at, storage.data_ptr(), nbytes)
     weak: int = whole._weak_ref()  # type: ignore[assignment]  # an int handle
     _ARENAS.append((base, base + end, weak))
-    del olds, news, arena
-    moved = sum(s.nbytes() for s in storages)
-    for storage, at, held in zip(storages, places, users, strict=True):
+    del arena
+    moved = sum(sizes)
+    for storage, at, nbytes, held in zip(storages, places, sizes, users, strict=True):
         if swap:
             try:
-                storage._swap_data_ptr_(whole[at : at + storage.nbytes()])  # type: ignore[attr-defined]
+                storage._swap_data_ptr_(whole[at : at + nbytes])  # type: ignore[attr-defined]
                 continue
             except (RuntimeError, TypeError, NotImplementedError):
                 swap = False  # this build swaps no CUDA storage: re-point from here on
         if held is None or not _repoint(held, whole, at, storage):
-            moved -= storage.nbytes()  # held elsewhere too: it stays, its slot unused
+            moved -= nbytes  # held elsewhere too: it stays, its slot unused
     return moved
 
 
@@ -941,13 +968,13 @@ def _strided_run(
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """The pairs ``run`` (one layout, addresses stepping by ``dstep`` / ``sstep`` bytes) as
     one pair of views with a leading dimension and whether a view is raw (below), or None
-    where a step is not a positive
-    multiple of the element size, or a side leaves its first storage off CUDA.
+    where a step is not a positive multiple of the element size, or a side leaves its first
+    storage off the CPU and CUDA.
 
-    On CUDA a side that spans allocations (tensors of their own, one after another) is a
-    view of a raw tensor over the range (``_raw_tensor``, owning nothing, its storage of
-    0 bytes): the view touches exactly the pairs' elements, since they step evenly, and a copy
-    kernel, unlike a memcpy, does not mind that they belong to several allocations."""
+    A side that spans allocations (tensors of their own, one after another) is a view of a raw
+    tensor over the range (``_raw_tensor``, owning nothing, its storage of 0 bytes): the view
+    touches exactly the pairs' elements, since they step evenly, and a copy kernel, unlike a
+    CUDA memcpy, does not mind that they belong to several allocations."""
     views = []
     raw_views = False
     for side, step in ((dsts, dstep), (srcs, sstep)):
@@ -964,7 +991,7 @@ def _strided_run(
         if inside and (first.storage_offset() + 1 + reach) * size <= storage.nbytes():
             views.append(first.as_strided(sizes, strides, first.storage_offset()))
             continue
-        if first.device.type != "cuda" or min(first.stride(), default=0) < 0:
+        if first.device.type not in ("cuda", "cpu") or min(first.stride(), default=0) < 0:
             return None  # another allocation: no view of the first one reaches it
         # from a 16-byte boundary, so that the storage offset tells widest_views the alignment
         base = first.data_ptr() // 16 * 16

@@ -61,6 +61,7 @@ import operator
 import os
 import threading
 import time
+import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
@@ -206,6 +207,18 @@ class TransferConfig:
             every byte, serialized with the consumers' copies. The trainer's data pointers
             taken before set-up go stale (a CUDA graph recorded over its weights). False:
             leave the trainer's memory alone (small weights are packed every sync).
+        gather_cpu_params: consumer side, CPU. At set-up, the consumer moves the storages of
+            its parameters that receive items travelling in chunks of several (each such
+            parameter a storage of its own: 100,000 expert weights in tensors of their own)
+            into one arena, in place, in the order the chunks take them
+            (``gather_device_storages``). Each sync's copies into them then step evenly on
+            both sides and run as a few strided copies, where they were an indexed copy per
+            run of pairs (measured on the 2-core CPU: a consumer's shards of 33,000 expert
+            weights, 2 KiB each, 19 ms instead of 25 ms for row halves and 24 ms instead of
+            44 ms for column halves). Every view of a moved parameter follows it (torch's
+            storage swap; on builds without one nothing moves); data pointers taken before
+            set-up go stale. Not on CUDA, where an engine's recorded CUDA graphs hold its
+            weights' addresses. False: leave the engine's memory alone.
         replay: READ path, producers with a resident source. A sync in which every tensor is
             where it was last sync runs as a replay of that sync: one message per consumer, no
             per-chunk work (module docstring, "Steady state"). False: every sync chunk by
@@ -232,6 +245,7 @@ class TransferConfig:
     mapped_unpack: bool = True
     share_cpu_weights: bool = True
     share_gpu_weights: bool = True
+    gather_cpu_params: bool = True
     replay: bool = True
     push_threads: bool | None = None
 
@@ -1847,6 +1861,7 @@ class WeightConsumer(_Engine):
         self._unpack_programs: dict[int, CopyProgram] = {}  # by chunk index
         self._broken = ""  # push path: why a sync failed mid-transfer (no sync after it)
         self.bake_seconds = 0.0
+        self.gathered_bytes = 0  # gather_cpu_params: parameter bytes moved into an arena
         want = self.config.strided_reads
         capable = self._read and isinstance(communicator, StridedReadCommunicator)
         if want and not capable:
@@ -1902,6 +1917,7 @@ class WeightConsumer(_Engine):
         self._phase("send plans")
         _gather_verdicts(self.coordinator, error)
         self._phase("verdicts")
+        self._gather_params()  # while the producers move their own weights
         self._make_rings()
         if self._read:
             self._connect_read()
@@ -1941,6 +1957,7 @@ class WeightConsumer(_Engine):
             raise error
         if verdict is not None:
             raise WeightTransferSetupError(f"join refused: {verdict}")
+        self._gather_params()
         self._make_rings()
         if self._read:
             for pair in self._pairs.values():
@@ -1983,6 +2000,38 @@ class WeightConsumer(_Engine):
         sizes = item_sizes(self.requests)
         kinds = request_kinds(self.requests)
         return cut_chunks(groups, classes, producers, sizes, self.layout, kinds=kinds)
+
+    def _gather_params(self) -> None:
+        """``TransferConfig.gather_cpu_params``: after the plan is agreed, before any
+        destination address is recorded. Moving is only faster copies: where the memory for
+        the arena is not there, nothing moves (with a warning) and set-up goes on."""
+        if not (self.config.gather_cpu_params and self.communicator.device.type == "cpu"):
+            return
+        if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+            return  # re-pointed tensors would leave the destination views made above behind
+        homes = Counter(p.untyped_storage().data_ptr() for p in self.params.values())
+        order: dict[int, torch.Tensor] = {}  # in chunk order, each parameter once
+        for chunk in self.chunks:
+            if len(chunk.items) < 2:
+                continue
+            for i in chunk.items:
+                param = self.params[self._dest_params[i]]
+                if homes[param.untyped_storage().data_ptr()] == 1:  # not one of many views
+                    order.setdefault(id(param), param)
+        if not order:
+            return
+        try:
+            self.gathered_bytes = gather_device_storages(
+                list(order.values()), max_bytes=DEVICE_ARENA_BYTES, arena_bytes=1 << 62
+            )
+        except (MemoryError, RuntimeError) as exc:  # the arena: before anything moves
+            warnings.warn(
+                f"consumer {self.consumer_id}: parameters left where they are ({exc}); set "
+                "TransferConfig(gather_cpu_params=False) to skip trying",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._phase("gather parameters")
 
     def _connect_read(self) -> None:
         """Learn the producers' rings (collective with ``_expose_rings``); pin local buffers.

@@ -173,6 +173,7 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
             engine.close()
         result = self._result("consumer", cid, engine.setup_seconds, stats, outputs)
         result["bake_seconds"] = engine.bake_seconds
+        result["gathered_bytes"] = engine.gathered_bytes
         result["setup_phases"] = engine.setup_phases
         if engine.trace is not None:
             result["trace"] = engine.trace
