@@ -254,7 +254,8 @@ def _progressions_case(device: str) -> None:
     # gate, up, down, loose: one copy each; uneven: 0..4 and 4..14 share pair 4, which one takes
     runs = sorted(d.shape[0] for d, _ in program._solo if d.dim() == 3)
     assert runs == [5, 5, 6, 40, 40, 40], [tuple(d.shape) for d, _ in program._solo]
-    assert any(o.data_ptr() == loose[0].data_ptr() for o in program._owners)
+    if len({t.untyped_storage().data_ptr() for t in loose}) > 1:  # moved by swaps: raw views
+        assert any(o.data_ptr() == loose[0].data_ptr() for o in program._owners)
     for step in range(2):
         flat.add_(step + 1)
         program.run()
