@@ -128,7 +128,7 @@ def share_storages(tensors: Iterable[torch.Tensor], *, min_bytes: int = 0) -> in
 
 def _share_storages(tensors: Iterable[torch.Tensor], min_bytes: int) -> int:
     _prune_arenas()
-    arenas = [(start, end) for start, end, _ in _ARENAS]
+    arenas = [(start, end) for start, end, _, _ in _ARENAS]
     storages: dict[int, torch.UntypedStorage] = {}
     # pinned memory stays (the trainer's host-to-device copies would lose their speed); only a
     # process that started CUDA has any, and asking elsewhere would start it
@@ -166,7 +166,7 @@ def _share_storages(tensors: Iterable[torch.Tensor], min_bytes: int) -> int:
         return 0  # shared memory ran out meanwhile: nothing moves
     base = arena.data_ptr()
     weak: int = arena._weak_ref()  # type: ignore[assignment]  # an int handle
-    _ARENAS.append((base, base + end, weak))
+    _ARENAS.append((base, base + end, weak, True))
     for storage, at in places:  # about 3 µs a storage
         nbytes = storage.nbytes()
         ctypes.memmove(base + at, storage.data_ptr(), nbytes)
@@ -180,7 +180,11 @@ DEVICE_ARENA_BYTES = 256 << 20  # the most ``gather_device_storages`` moves into
 
 
 def gather_device_storages(
-    tensors: Iterable[torch.Tensor], *, max_bytes: int, arena_bytes: int = DEVICE_ARENA_BYTES
+    tensors: Iterable[torch.Tensor],
+    *,
+    max_bytes: int,
+    arena_bytes: int = DEVICE_ARENA_BYTES,
+    device: torch.device | str | None = None,
 ) -> int:
     """Move the CUDA (or CPU) storages behind ``tensors`` that are smaller than ``max_bytes``
     into arenas, in place: ``share_storages`` for VRAM, where any allocation can be mapped by a
@@ -191,25 +195,32 @@ def gather_device_storages(
     weights, where it would otherwise read a packed copy (on one GPU shared by the processes,
     the pack is a second pass over every byte). On the CPU the arenas are private memory (for
     an engine's own parameters: its copies into 100,000 tensors of their own become a few
-    strided copies); storages in shared memory or pinned stay there.
+    strided copies; ``shared_arena`` and ``arena_range`` do not offer them to peers); storages
+    in shared memory or pinned stay there.
 
     Every tensor keeps its values and identity; data pointers taken before the move go stale
     (a CUDA graph the trainer recorded over its weights, registrations of the old addresses).
     Where torch can swap a storage's memory (``_swap_data_ptr_``), every view of a moved
     storage sees the new memory; on builds without it each tensor given is re-pointed
     (``set_``), and a storage moves only if no tensor but those holds it (a view the trainer
-    kept elsewhere would be left on the old memory). The old blocks go back to the caching
-    allocator, whose free segments are released after each arena. A moved storage cannot be
-    resized or shared through ``torch.multiprocessing``; in-place writes and new tensors
-    (``p.data = ...``) are unaffected. Storages of other devices (than the first tensor that
-    may move), already in an arena, or not resizable stay. Thread-safe. Returns the bytes
-    moved.
+    kept elsewhere would be left on the old memory). Each old block is freed as its storage
+    moves (on CUDA to the caching allocator, whose free segments are released after each
+    arena), so nothing may read or write the tensors while they move (a kernel under way, a
+    thread of the caller's): only calls into this function are thread-safe against each
+    other. At most ``arena_bytes`` are held twice at a time. A moved storage cannot be resized
+    or shared through ``torch.multiprocessing``; in-place writes and new tensors
+    (``p.data = ...``) are unaffected. Only storages on ``device`` move (None: the device of
+    the first tensor that may), and not those already in an arena or not resizable. Returns
+    the bytes moved.
     """
     swap = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
     with _ARENA_LOCK:
         _prune_arenas()
-        arenas = [(start, end) for start, end, _ in _ARENAS]
-        storages, users = _device_storages(tensors, max_bytes, arenas)
+        arenas = [(start, end) for start, end, _, _ in _ARENAS]
+        where = None if device is None else torch.device(device)
+        if where is not None and where.type == "cuda" and where.index is None:
+            where = torch.device("cuda", torch.cuda.current_device())
+        storages, users = _device_storages(tensors, max_bytes, arenas, where)
         # the storages whose every holder is one of the tensors given (and this wrapper): the
         # ones that may move without a swap, by re-pointing those tensors
         alone = {
@@ -241,23 +252,29 @@ def gather_device_storages(
 
 
 def _device_storages(
-    tensors: Iterable[torch.Tensor], max_bytes: int, arenas: list[tuple[int, int]]
+    tensors: Iterable[torch.Tensor],
+    max_bytes: int,
+    arenas: list[tuple[int, int]],
+    device: torch.device | None,
 ) -> tuple[dict[int, torch.UntypedStorage], dict[int, dict[int, torch.Tensor]]]:
-    """``gather_device_storages``' candidates: {address: storage} (one wrapper each, and no
-    other left behind) and {address: {id: each tensor given that uses it}}."""
+    """``gather_device_storages``' candidates on ``device`` (None: the first candidate's):
+    {address: storage} (one wrapper each, and no other left behind) and {address: {id: each
+    tensor given that uses it}}."""
     storages: dict[int, torch.UntypedStorage] = {}
     users: dict[int, dict[int, torch.Tensor]] = {}
-    device: torch.device | None = None
     cuda = torch.cuda.is_initialized()  # pinned memory exists only then (asking would start it)
     starts = sorted(arenas)
     for tensor in tensors:
         here = tensor.device
-        if here != device and (device is not None or here.type not in ("cuda", "cpu")):
+        if here.type not in ("cuda", "cpu") or (device is not None and here != device):
             continue
         if tensor.layout is not torch.strided:
             continue
-        storage = tensor.untyped_storage()
-        at = storage.data_ptr()
+        try:
+            storage = tensor.untyped_storage()
+            at = storage.data_ptr()
+        except RuntimeError:  # a wrapper subclass (quantized weights): no storage of its own
+            continue
         if at in storages:
             users[at][id(tensor)] = tensor
             continue
@@ -305,7 +322,7 @@ def _move_to_arena(
         for storage, at, nbytes in zip(storages, places, sizes, strict=True):
             ctypes.memmove(base + at, storage.data_ptr(), nbytes)
     weak: int = whole._weak_ref()  # type: ignore[assignment]  # an int handle
-    _ARENAS.append((base, base + end, weak))
+    _ARENAS.append((base, base + end, weak, device.type == "cuda"))  # a CPU one is private
     del arena
     moved = sum(sizes)
     for storage, at, nbytes, held in zip(storages, places, sizes, users, strict=True):
@@ -342,26 +359,31 @@ def _repoint(
 
 # the arenas of share_storages and gather_device_storages (one address space: CUDA's is
 # unified with the host's): (first address, past the last, weak reference to the arena's
-# storage, which lives as long as a storage moved into it does); guarded by _ARENA_LOCK
-_ARENAS: list[tuple[int, int, int]] = []
+# storage, which lives as long as a storage moved into it does, whether a same-node peer can
+# map it: not a private CPU arena); guarded by _ARENA_LOCK
+_ARENAS: list[tuple[int, int, int, bool]] = []
 _ARENA_LOCK = threading.Lock()
 
 
 def arena_range(address: int) -> tuple[int, int] | None:
-    """(first address, bytes) of the live ``share_storages`` arena holding ``address``."""
+    """(first address, bytes) of the live arena holding ``address`` that a same-node peer can
+    map (``share_storages``', or a CUDA one of ``gather_device_storages``)."""
     with _ARENA_LOCK:
-        for start, end, weak in _ARENAS:
-            if start <= address < end and not torch.UntypedStorage._expired(weak):  # type: ignore[attr-defined]
+        for start, end, weak, mappable in _ARENAS:
+            if not mappable or not start <= address < end:
+                continue
+            if not torch.UntypedStorage._expired(weak):  # type: ignore[attr-defined]
                 return start, end - start
     return None
 
 
 def shared_arena(address: int) -> torch.Tensor | None:
-    """The live arena of ``share_storages`` that holds ``address`` (a uint8 tensor over all of
-    it, whose storage a peer can map), or None."""
+    """The live arena that holds ``address`` and that a same-node peer can map (a uint8 tensor
+    over all of it: ``share_storages``', or a CUDA one of ``gather_device_storages``), or
+    None."""
     with _ARENA_LOCK:
-        for start, end, weak in _ARENAS:
-            if start <= address < end:
+        for start, end, weak, mappable in _ARENAS:
+            if mappable and start <= address < end:
                 storage = torch.UntypedStorage._new_with_weak_ptr(weak)  # type: ignore[attr-defined]
                 if storage is None:  # gone, and its range possibly reused
                     continue
@@ -972,7 +994,7 @@ def _strided_run(
     storage off the CPU and CUDA.
 
     A side that spans allocations (tensors of their own, one after another) is a view of a raw
-    tensor over the range (``_raw_tensor``, owning nothing, its storage of 0 bytes): the view
+    tensor over the range (``_raw_tensor``, owning nothing: the memory is the pairs'): the view
     touches exactly the pairs' elements, since they step evenly, and a copy kernel, unlike a
     CUDA memcpy, does not mind that they belong to several allocations."""
     views = []

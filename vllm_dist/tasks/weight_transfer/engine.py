@@ -217,8 +217,10 @@ class TransferConfig:
             weights, 2 KiB each, 19 ms instead of 25 ms for row halves and 24 ms instead of
             44 ms for column halves). Every view of a moved parameter follows it (torch's
             storage swap; on builds without one nothing moves); data pointers taken before
-            set-up go stale. Not on CUDA, where an engine's recorded CUDA graphs hold its
-            weights' addresses. False: leave the engine's memory alone.
+            set-up go stale, and each old block is freed as its parameter moves, so the
+            engine must not run its model while ``setup()`` or ``join()`` does. At most
+            256 MiB are held twice at a time. Not on CUDA, where an engine's recorded CUDA
+            graphs hold its weights' addresses. False: leave the engine's memory alone.
         replay: READ path, producers with a resident source. A sync in which every tensor is
             where it was last sync runs as a replay of that sync: one message per consumer, no
             per-chunk work (module docstring, "Steady state"). False: every sync chunk by
@@ -632,7 +634,12 @@ class WeightProducer(_Engine):
             self.shared_bytes = share_storages(tensors)
         else:
             self.shared_bytes = sum(
-                gather_device_storages(bundle, max_bytes=DEVICE_ARENA_BYTES, arena_bytes=1 << 62)
+                gather_device_storages(
+                    bundle,
+                    max_bytes=DEVICE_ARENA_BYTES,
+                    arena_bytes=1 << 62,
+                    device=self.communicator.device,
+                )
                 for bundle in self._chunk_bundles(
                     dict(zip(self._served_names, tensors, strict=True))
                 )
@@ -1665,6 +1672,15 @@ def _pair_layout(layout: LayoutConfig, strided: bool) -> LayoutConfig:
     return replace(layout, direct_bytes=_STRIDED_DIRECT_BYTES)
 
 
+def _storage_address(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s storage; None for a tensor without one of its own (a
+    wrapper subclass, such as quantized weights)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 def _home(view: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the buffer a producer exposes to have ``view`` read in place: the
     ``share_storages`` arena its storage lies in (one exposure for every storage moved
@@ -1957,6 +1973,7 @@ class WeightConsumer(_Engine):
             raise error
         if verdict is not None:
             raise WeightTransferSetupError(f"join refused: {verdict}")
+        self._phase("verdicts")
         self._gather_params()
         self._make_rings()
         if self._read:
@@ -2003,28 +2020,31 @@ class WeightConsumer(_Engine):
 
     def _gather_params(self) -> None:
         """``TransferConfig.gather_cpu_params``: after the plan is agreed, before any
-        destination address is recorded. Moving is only faster copies: where the memory for
-        the arena is not there, nothing moves (with a warning) and set-up goes on."""
+        destination address is recorded. Moving only makes copies faster: where an arena's
+        memory is not there, its parameters stay (with a warning; those before it have moved)
+        and set-up goes on."""
         if not (self.config.gather_cpu_params and self.communicator.device.type == "cpu"):
             return
         if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
             return  # re-pointed tensors would leave the destination views made above behind
-        homes = Counter(p.untyped_storage().data_ptr() for p in self.params.values())
+        homes = Counter(map(_storage_address, self.params.values()))
         order: dict[int, torch.Tensor] = {}  # in chunk order, each parameter once
         for chunk in self.chunks:
             if len(chunk.items) < 2:
                 continue
             for i in chunk.items:
                 param = self.params[self._dest_params[i]]
-                if homes[param.untyped_storage().data_ptr()] == 1:  # not one of many views
+                at = _storage_address(param)
+                if at is not None and homes[at] == 1 and param.is_cpu:  # not one of many views
                     order.setdefault(id(param), param)
         if not order:
             return
         try:
+            # an arena at a time: at most DEVICE_ARENA_BYTES are held twice while they move
             self.gathered_bytes = gather_device_storages(
-                list(order.values()), max_bytes=DEVICE_ARENA_BYTES, arena_bytes=1 << 62
+                list(order.values()), max_bytes=DEVICE_ARENA_BYTES, device="cpu"
             )
-        except (MemoryError, RuntimeError) as exc:  # the arena: before anything moves
+        except (MemoryError, RuntimeError) as exc:
             warnings.warn(
                 f"consumer {self.consumer_id}: parameters left where they are ({exc}); set "
                 "TransferConfig(gather_cpu_params=False) to skip trying",
