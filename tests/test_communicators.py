@@ -793,7 +793,20 @@ def test_gather_device_storages_lays_cpu_storages_out_in_order() -> None:
     big = torch.zeros(1 << 18)
     before = (shared.data_ptr(), big.data_ptr())
     assert common.gather_device_storages(order, max_bytes=1 << 20, device="meta") == 0
-    moved = common.gather_device_storages([*order, shared, big], max_bytes=1 << 20)
+
+    class Wrapper(torch.Tensor):  # quantized weights' kind: no storage of its own
+        @staticmethod
+        def __new__(cls, inner: torch.Tensor) -> Wrapper:
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined]
+
+        @classmethod
+        def __torch_dispatch__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            raise NotImplementedError(func)
+
+    wrapped = Wrapper(torch.zeros(8))
+    moved = common.gather_device_storages([*order, wrapped, shared, big], max_bytes=1 << 20)
     assert moved == 50 * 4096
     assert all(b.data_ptr() == a.data_ptr() + 4096 for a, b in itertools.pairwise(order))
     assert all(
