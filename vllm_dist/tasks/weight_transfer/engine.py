@@ -210,7 +210,7 @@ class TransferConfig:
         gather_cpu_params: consumer side, CPU. At set-up, the consumer moves the storages of
             its parameters that receive items travelling in chunks of several (each such
             parameter a storage of its own: 100,000 expert weights in tensors of their own)
-            into one arena, in place, in the order the chunks take them
+            into private arenas of up to 256 MiB, in place, in the order the chunks take them
             (``gather_device_storages``). Each sync's copies into them then step evenly on
             both sides and run as a few strided copies, where they were an indexed copy per
             run of pairs (measured on the 2-core CPU: a consumer's shards of 33,000 expert
@@ -218,8 +218,8 @@ class TransferConfig:
             44 ms for column halves). Every view of a moved parameter follows it (torch's
             storage swap; on builds without one nothing moves); data pointers taken before
             set-up go stale, and each old block is freed as its parameter moves, so the
-            engine must not run its model while ``setup()`` or ``join()`` does. At most
-            256 MiB are held twice at a time. Not on CUDA, where an engine's recorded CUDA
+            engine must not run its model while ``setup()`` or ``join()`` does (at most one
+            arena's bytes are held twice at a time). Not on CUDA, where an engine's recorded CUDA
             graphs hold its weights' addresses. False: leave the engine's memory alone.
         replay: READ path, producers with a resident source. A sync in which every tensor is
             where it was last sync runs as a replay of that sync: one message per consumer, no
