@@ -652,7 +652,7 @@ class WeightProducer(_Engine):
         cut into bundles of up to ``DEVICE_ARENA_BYTES`` between chunks: one arena each, so
         that no chunk spans two (its items would be packed). A storage that holds several
         weights (a trainer's flat buffer) is one home for them already: it stays."""
-        homes = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
+        alone = _alone_in_storage(tensors.values())
         bundles: list[list[torch.Tensor]] = [[]]
         size, seen = 0, set()
         for pair in self._pairs.values():
@@ -660,9 +660,7 @@ class WeightProducer(_Engine):
                 if len(c.items) < 2:
                     continue
                 names = [
-                    n
-                    for n in pair.views[c.index].names
-                    if n not in seen and homes[tensors[n].untyped_storage().data_ptr()] == 1
+                    n for n in pair.views[c.index].names if n not in seen and alone(tensors[n])
                 ]
                 seen.update(names)
                 nbytes = sum(tensors[n].untyped_storage().nbytes() for n in names)
@@ -1681,6 +1679,19 @@ def _storage_address(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def _alone_in_storage(tensors: Iterable[torch.Tensor]) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor of ``tensors`` is the only one of them in its storage, which may then
+    move into an arena (a storage that holds several, a flat buffer or fused experts, is one
+    home for them already); False for a tensor without a storage of its own."""
+    homes = Counter(map(_storage_address, tensors))
+
+    def alone(tensor: torch.Tensor) -> bool:
+        at = _storage_address(tensor)
+        return at is not None and homes[at] == 1
+
+    return alone
+
+
 def _home(view: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the buffer a producer exposes to have ``view`` read in place: the
     ``share_storages`` arena its storage lies in (one exposure for every storage moved
@@ -2027,15 +2038,14 @@ class WeightConsumer(_Engine):
             return
         if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
             return  # re-pointed tensors would leave the destination views made above behind
-        homes = Counter(map(_storage_address, self.params.values()))
+        alone = _alone_in_storage(self.params.values())
         order: dict[int, torch.Tensor] = {}  # in chunk order, each parameter once
         for chunk in self.chunks:
             if len(chunk.items) < 2:
                 continue
             for i in chunk.items:
                 param = self.params[self._dest_params[i]]
-                at = _storage_address(param)
-                if at is not None and homes[at] == 1 and param.is_cpu:  # not one of many views
+                if param.is_cpu and alone(param):
                     order.setdefault(id(param), param)
         if not order:
             return
