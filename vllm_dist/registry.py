@@ -85,7 +85,7 @@ _BUILTIN_COORDINATORS = {
 }
 _BUILTIN_COMMUNICATORS = {
     CommunicatorType.NIXL_RDT: _Entry(
-        target=f"{_IMPL}.communicators.nixl_rdt:NixlRdtCommunicator",
+        target=f"{_IMPL}.communicators.nixl:NixlRdtCommunicator",
         install_hint="pip install 'vllm_dist[nixl]'",
     ),
     CommunicatorType.PYNCCL: _Entry(

@@ -1,0 +1,184 @@
+"""Mapping a same-node peer's exposed memory into this process.
+
+An exposed VRAM buffer ships a CUDA IPC handle with its descriptor, an exposed DRAM buffer whose
+storage is in shared memory the owner's file descriptor; a peer on the same node maps it and
+copies with a kernel or ``memcpy`` instead of a NIXL request, so a strided view or a thousand
+small ones cost their bytes. Rejected alternative: moving a storage into shared memory at
+``expose`` (that would free memory that copies planned earlier still address).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExposedBuffer:
+    """A registered buffer that peers may read and write: picklable, safe to send anywhere.
+
+    ``metadata`` is the owner's full agent metadata at ``epoch`` (its registration generation);
+    importing it lets the importer address ``[addr, addr + nbytes)`` on the owner.
+    """
+
+    rank: int
+    name: str
+    agent: str
+    addr: int
+    nbytes: int
+    device_id: int
+    mem_type: str
+    epoch: int
+    metadata: bytes = field(repr=False)
+    mapping: Any = field(default=None, repr=False)  # CudaIpcHandle / SharedMemoryHandle: same node
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CudaIpcHandle:
+    """What a process on the same node needs to map a VRAM buffer (torch's CUDA IPC reduction)."""
+
+    node: str  # boot id + host name: IPC handles mean nothing on another node
+    device_uuid: str
+    rebuild: Any  # torch.multiprocessing.reductions.reduce_tensor(...) of the flat byte view
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> CudaIpcHandle:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        flat = tensor.detach().reshape(-1).view(torch.uint8)
+        return CudaIpcHandle(
+            node=node_id(),
+            device_uuid=str(torch.cuda.get_device_properties(tensor.device).uuid),
+            rebuild=reduce_tensor(flat),
+        )
+
+    def open(self) -> torch.Tensor | None:
+        """The peer's buffer as a flat uint8 tensor here, or None when it cannot be mapped."""
+        if self.node != node_id():
+            return None
+        local = local_device_index(self.device_uuid)
+        if local is None:
+            return None
+        fn, args = self.rebuild
+        args = list(args)
+        args[6] = local  # the exporter's device index, renumbered for this process's visibility
+        return fn(*args)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharedMemoryHandle:
+    """What a process on the same node needs to map a DRAM buffer whose storage is in shared
+    memory: the owner's file descriptor of the shared-memory object, opened through ``/proc``
+    (the object is unlinked, so it lives exactly as long as its owner's storage and mappings)."""
+
+    node: str
+    pid: int
+    fd: int
+    inode: tuple[int, int]  # (st_dev, st_ino): a reused fd number is not mistaken for it
+    size: int  # the storage's bytes
+    offset: int  # the buffer's byte offset in the storage
+    nbytes: int
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> SharedMemoryHandle | None:
+        """The handle of ``tensor``'s storage; None when it is not in shared memory."""
+        storage = tensor.untyped_storage()
+        if not (storage.nbytes() and storage.is_shared()):
+            return None
+        try:
+            fd, size = storage._share_fd_cpu_()
+            st = os.fstat(fd)
+        except (RuntimeError, OSError, AttributeError):  # e.g. shared by file name
+            return None
+        return SharedMemoryHandle(
+            node=node_id(),
+            pid=os.getpid(),
+            fd=fd,
+            inode=(st.st_dev, st.st_ino),
+            size=size,
+            offset=tensor.data_ptr() - storage.data_ptr(),
+            nbytes=tensor.numel() * tensor.element_size(),
+        )
+
+    def open(self) -> torch.Tensor | None:
+        """The buffer as a flat uint8 tensor mapped here, or None when it cannot be mapped."""
+        if self.node != node_id():
+            return None
+        try:
+            fd = os.open(f"/proc/{self.pid}/fd/{self.fd}", os.O_RDWR)
+        except OSError:  # gone, or another PID namespace: NIXL still works
+            return None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.inode or st.st_size < self.size:
+                return None
+            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, self.size)
+        except (OSError, RuntimeError):
+            return None
+        finally:
+            os.close(fd)  # the mapping keeps the object
+        whole = torch.empty(0, dtype=torch.uint8)
+        whole.set_(storage, 0, (self.size,), (1,))  # type: ignore[arg-type]
+        return whole[self.offset : self.offset + self.nbytes]
+
+
+def node_id() -> str:
+    """This node's identity: host name and boot id (handles mean nothing on another node)."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def local_device_index(uuid_text: str) -> int | None:
+    """The index, in this process's numbering, of the CUDA device with UUID ``uuid_text``."""
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid_text:
+            return i
+    return None
+
+
+class PeerMaps:
+    """Peers' exposed buffers mapped here, opened once each: CUDA IPC on a CUDA device, shared
+    memory on the CPU, or nothing when ``enabled`` is off (every transfer goes through NIXL)."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self.enabled = enabled
+        self.backend = "cuda_ipc" if self._cuda else "shared_memory"
+        self.via = "through CUDA IPC" if self._cuda else "through shared memory"
+        self._maps: dict[tuple[int, str, int], torch.Tensor | None] = {}
+
+    def handle(self, tensor: torch.Tensor) -> CudaIpcHandle | SharedMemoryHandle | None:
+        """What a same-node peer needs to map ``tensor`` (None: peers go through NIXL)."""
+        if not self.enabled:
+            return None
+        return CudaIpcHandle.of(tensor) if tensor.is_cuda else SharedMemoryHandle.of(tensor)
+
+    def open(self, peer: int, remote: ExposedBuffer) -> torch.Tensor | None:
+        """The peer's exposed buffer mapped here, or None (NIXL carries it)."""
+        if not self.enabled or remote.mapping is None:
+            return None
+        if isinstance(remote.mapping, CudaIpcHandle) != self._cuda:
+            return None  # VRAM and DRAM peers copy through NIXL
+        key = (peer, remote.name, remote.addr)
+        if key not in self._maps:
+            try:
+                self._maps[key] = remote.mapping.open()
+            except RuntimeError:  # e.g. no peer access between the two devices: NIXL still works
+                self._maps[key] = None
+        return self._maps[key]
+
+    def close(self) -> None:
+        """Drop every mapping once no copy may still use one."""
+        if self._maps and self._cuda:
+            torch.cuda.synchronize(self._device)
+        self._maps.clear()
