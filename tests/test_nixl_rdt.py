@@ -542,6 +542,159 @@ def test_importing_vllm_dist_does_not_import_nixl() -> None:
     assert proc.stdout.strip() == "False False", proc.stdout + proc.stderr
 
 
+# -- the notification codec: no pickle on the wire --------------------------------------------
+
+
+class _Forged:
+    """Unpickling this would create ``path``: proof that nothing was unpickled if it is absent."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (os.mkdir, (self.path,))
+
+
+def test_notification_codec_round_trips() -> None:
+    from vllm_dist.implementations.communicators.nixl import notifications as wire
+
+    msgs = [
+        wire.Ready(
+            seq=3,
+            addr=2**63 + 5,
+            nbytes=4096,
+            device_id=1,
+            mem_type="VRAM",
+            epoch=2,
+            full=True,
+            metadata=b"\x00md\xff",
+        ),
+        wire.Ready(
+            seq=0,
+            addr=0,
+            nbytes=1,
+            device_id=0,
+            mem_type="DRAM",
+            epoch=0,
+            full=False,
+            metadata=b"",
+        ),
+        wire.Done(seq=7),
+        wire.Refusal(seq=1, reason="sizes differ: 4 vs 8 bytes"),
+        wire.UserMessage(data=b""),
+        wire.UserMessage(data=b"R\x01anything"),
+    ]
+    for msg in msgs:
+        assert wire.decode(wire.encode(msg)) == msg
+
+
+def test_forged_notifications_are_refused_and_never_unpickled(tmp_path: Any) -> None:
+    import pickle
+    import struct
+
+    from vllm_dist.implementations.communicators.nixl import notifications as wire
+
+    marker = str(tmp_path / "unpickled")
+    pickled = pickle.dumps((0, _Forged(marker)))
+    ready = wire.encode(
+        wire.Ready(
+            seq=1,
+            addr=64,
+            nbytes=8,
+            device_id=0,
+            mem_type="DRAM",
+            epoch=0,
+            full=False,
+            metadata=b"",
+        )
+    )
+    bad_mem = bytearray(ready)
+    bad_mem[2 + struct.calcsize("<qQqi")] = 9  # the memory-type byte
+    cases = [
+        (b"", "no header"),
+        (b"D" + pickle.dumps(0), "wire version"),  # the old pickled format
+        (b"R" + pickled, "wire version"),
+        (b"Z\x01" + pickled, "unknown notification kind"),
+        (b"R\x01" + pickled, "malformed Ready"),
+        (ready[:10], "malformed Ready"),
+        (bytes(bad_mem), "malformed Ready"),
+        (b"D\x01" + pickled, "malformed Done"),
+        (b"D\x01" + struct.pack("<q", -1), "malformed Done"),
+        (b"E\x01" + struct.pack("<q", 0) + b"\xff\xfe", "malformed Refusal"),
+        (b"R\x02" + ready[2:], "wire version 2"),
+    ]
+    for raw, match in cases:
+        with pytest.raises(nixl_rdt.NixlProtocolError, match=match):
+            wire.decode(raw)
+    assert not os.path.exists(marker)
+
+
+class _FakeAgent:
+    def __init__(self, news: dict[str, list[bytes]]) -> None:
+        self.news = news
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        news, self.news = self.news, {}
+        return news
+
+
+def test_mailbox_refuses_a_forged_notification_and_keeps_the_good_ones(tmp_path: Any) -> None:
+    import pickle
+
+    from vllm_dist.implementations.communicators.nixl import notifications as wire
+    from vllm_dist.implementations.communicators.nixl.agent import AgentSlot, Peers
+
+    marker = str(tmp_path / "unpickled")
+    forged = b"U" + pickle.dumps(_Forged(marker))  # the old "U" + payload, no version byte
+    agent = _FakeAgent(
+        {
+            "peer": [wire.encode(wire.UserMessage(data=b"before")), forged],
+            "stranger": [b"R" + pickle.dumps(_Forged(marker))],  # not a member: ignored
+        }
+    )
+    slot = AgentSlot(agent)  # type: ignore[arg-type]
+    peers = Peers(slot, rank=0)
+    peers.rank_of.update({"me": 0, "peer": 1})
+    peers.agent_of[1] = "peer"
+    box = wire.Mailbox(slot, peers, spin_s=0.0)
+    with pytest.raises(nixl_rdt.NixlProtocolError, match="rank 1 sent .*wire version"):
+        box.poll()
+    assert box.wait_user(1, seconds=1.0) == b"before"  # filed although a forged one came too
+    with pytest.raises(nixl_rdt.NixlTimeoutError):
+        box.wait_user(1, seconds=0.01)
+    assert not os.path.exists(marker)
+
+
+class ForgedNotificationTask(GlobalCoordinatorDistributedTask):
+    """Rank 1 sends rank 0 a pickle through its raw agent; rank 0 must refuse it."""
+
+    def post_init_distributed(self, marker: str = "", **kwargs: Any) -> Any:
+        import pickle
+
+        comm: Any = self.communicator
+        out = ""
+        if self.coordinator.get_rank() == 1:
+            peer = comm._peers.agent_of[0]
+            comm._slot.get().send_notif(peer, b"R" + pickle.dumps((0, _Forged(marker))))
+            comm.notify(0, b"after")
+        else:
+            try:
+                comm.wait_notification(1, timeout=30)
+            except nixl_rdt.NixlProtocolError as exc:
+                out = str(exc)
+            out += " | " + comm.wait_notification(1, timeout=30).decode()
+        self.coordinator.barrier()
+        return out
+
+
+@distributed_test(timeout=180)
+def test_forged_notification_from_a_peer_is_refused_cpu(tmp_path: Any) -> None:
+    marker = str(tmp_path / "unpickled")
+    out = launch(ForgedNotificationTask, marker=marker)[0]
+    assert "rank 1 sent" in out and "wire version" in out and out.endswith(" | after"), out
+    assert not os.path.exists(marker)
+
+
 def test_options_are_validated() -> None:
     with pytest.raises(ValueError, match="timeout"):
         nixl_rdt.NixlOptions(timeout=0)
