@@ -666,7 +666,8 @@ def test_mailbox_refuses_a_forged_notification_and_keeps_the_good_ones(tmp_path:
 
 
 class ForgedNotificationTask(GlobalCoordinatorDistributedTask):
-    """Rank 1 sends rank 0 a pickle through its raw agent; rank 0 must refuse it."""
+    """Rank 1 sends rank 0 a pickle through its raw agent, which rank 0 must refuse, then a
+    descriptor as ``to_bytes``, which rank 0 imports and reads (mapped, in shared memory)."""
 
     def post_init_distributed(self, marker: str = "", **kwargs: Any) -> Any:
         import pickle
@@ -674,15 +675,20 @@ class ForgedNotificationTask(GlobalCoordinatorDistributedTask):
         comm: Any = self.communicator
         out = ""
         if self.coordinator.get_rank() == 1:
+            buf = shared_empty(4096, "cpu").copy_(pattern(4096, 5))
+            desc = comm.expose(buf, "buf")
             peer = comm._peers.agent_of[0]
             comm._slot.get().send_notif(peer, b"R" + pickle.dumps((0, _Forged(marker))))
-            comm.notify(0, b"after")
+            comm.notify(0, desc.to_bytes())
         else:
             try:
                 comm.wait_notification(1, timeout=30)
             except nixl_rdt.NixlProtocolError as exc:
                 out = str(exc)
-            out += " | " + comm.wait_notification(1, timeout=30).decode()
+            desc = nixl_rdt.ExposedBuffer.from_bytes(comm.wait_notification(1, timeout=30))
+            comm.import_exposed(desc)
+            got = comm.read(1, "buf", torch.empty(4096, dtype=torch.uint8), timeout=30)
+            out += f" | mapped={comm.maps_exposed(1, 'buf')} equal={torch.equal(got, pattern(4096, 5))}"
         self.coordinator.barrier()
         return out
 
@@ -691,7 +697,53 @@ class ForgedNotificationTask(GlobalCoordinatorDistributedTask):
 def test_forged_notification_from_a_peer_is_refused_cpu(tmp_path: Any) -> None:
     marker = str(tmp_path / "unpickled")
     out = launch(ForgedNotificationTask, marker=marker)[0]
-    assert "rank 1 sent" in out and "wire version" in out and out.endswith(" | after"), out
+    assert "rank 1 sent" in out and "wire version" in out, out
+    assert out.endswith(" | mapped=True equal=True"), out
+    assert not os.path.exists(marker)
+
+
+def test_exposed_buffer_byte_codec_round_trips_and_refuses_forgeries(tmp_path: Any) -> None:
+    """``ExposedBuffer.to_bytes`` / ``from_bytes``: every field and mapping kind survives; bytes
+    that are not a descriptor of this version (a pickle among them) are refused."""
+    import json
+    import pickle
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    base = {
+        "rank": 1, "name": "weights", "agent": "a-1", "addr": 2**47 + 64, "nbytes": 4096,
+        "device_id": 0, "mem_type": "DRAM", "epoch": 3, "metadata": b"\x00agent md\xff",
+    }  # fmt: skip
+    shm = nixl_rdt.SharedMemoryHandle.of(shared_empty(256, "cpu")[16:])
+    assert shm is not None
+    ipc_args = (torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage,
+                torch.uint8, 0, b"\x01ipc", 8192, 512, False, b"/rc", 3, b"\x02ev", True)  # fmt: skip
+    ipc = nixl_rdt.CudaIpcHandle(
+        node="n/boot", device_uuid="GPU-1", rebuild=(rebuild_cuda_tensor, ipc_args)
+    )
+    for mapping in (None, shm, ipc):
+        desc = nixl_rdt.ExposedBuffer(**base, mapping=mapping)  # type: ignore[arg-type]
+        assert nixl_rdt.ExposedBuffer.from_bytes(desc.to_bytes()) == desc
+    evil = nixl_rdt.CudaIpcHandle(node="n", device_uuid="u", rebuild=(os.system, ("true",)))
+    with pytest.raises(TypeError, match="flat uint8"):
+        nixl_rdt.ExposedBuffer(**base, mapping=evil).to_bytes()  # type: ignore[arg-type]
+    marker = str(tmp_path / "unpickled")
+    good = json.loads(nixl_rdt.ExposedBuffer(**base, mapping=shm).to_bytes())  # type: ignore[arg-type]
+    forged = [
+        (pickle.dumps(_Forged(marker)), "not JSON"),
+        (b"[1, 2]", "version"),
+        (json.dumps({**good, "v": 2}).encode(), "version 2"),
+        (json.dumps({**good, "addr": "0x10"}).encode(), "'addr' must be int"),
+        (json.dumps({**good, "epoch": True}).encode(), "'epoch' must be int"),
+        (json.dumps({**good, "nbytes": -1}).encode(), "out of range"),
+        (json.dumps({**good, "mem_type": "HBM"}).encode(), "out of range"),
+        (json.dumps({**good, "metadata": "not base64!"}).encode(), "base64"),
+        (json.dumps({**good, "mapping": {"kind": "pickle"}}).encode(), "mapping kind"),
+        (json.dumps({**good, "mapping": {**good["mapping"], "inode": [1]}}).encode(), "inode"),
+    ]
+    for raw, match in forged:
+        with pytest.raises(ValueError, match=match):
+            nixl_rdt.ExposedBuffer.from_bytes(raw)
     assert not os.path.exists(marker)
 
 

@@ -10,11 +10,8 @@ from vllm_dist.implementations.communicators.nixl.agent import (
     NixlTransferError,
 )
 from vllm_dist.implementations.communicators.nixl.communicator import NixlRdtCommunicator
-from vllm_dist.implementations.communicators.nixl.mapping import (
-    CudaIpcHandle,
-    ExposedBuffer,
-    SharedMemoryHandle,
-)
+from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
+from vllm_dist.implementations.communicators.nixl.mapping import CudaIpcHandle, SharedMemoryHandle
 from vllm_dist.implementations.communicators.nixl.onesided import strided_runs
 from vllm_dist.implementations.communicators.nixl.ray_rdt import (
     prepare_ray_rdt_actor,

@@ -22,7 +22,7 @@ from vllm_dist.interfaces import WorkerCoordinator
 if TYPE_CHECKING:
     from nixl._api import nixl_agent
 
-    from vllm_dist.implementations.communicators.nixl.mapping import ExposedBuffer
+    from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
 
 INSTALL_HINT = "pip install 'vllm_dist[nixl]'"
 CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"

@@ -43,7 +43,8 @@ from vllm_dist.implementations.communicators.nixl.agent import (
     mem_type,
     new_agent,
 )
-from vllm_dist.implementations.communicators.nixl.mapping import ExposedBuffer, PeerMaps
+from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
+from vllm_dist.implementations.communicators.nixl.mapping import PeerMaps
 from vllm_dist.implementations.communicators.nixl.notifications import (
     Done,
     Ready,

@@ -10,30 +10,13 @@ small ones cost their bytes. Rejected alternative: moving a storage into shared 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ExposedBuffer:
-    """A registered buffer that peers may read and write: picklable, safe to send anywhere.
-
-    ``metadata`` is the owner's full agent metadata at ``epoch`` (its registration generation);
-    importing it lets the importer address ``[addr, addr + nbytes)`` on the owner.
-    """
-
-    rank: int
-    name: str
-    agent: str
-    addr: int
-    nbytes: int
-    device_id: int
-    mem_type: str
-    epoch: int
-    metadata: bytes = field(repr=False)
-    mapping: Any = field(default=None, repr=False)  # CudaIpcHandle / SharedMemoryHandle: same node
+if TYPE_CHECKING:
+    from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

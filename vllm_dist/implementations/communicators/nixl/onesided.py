@@ -16,7 +16,8 @@ import torch
 
 from vllm_dist.implementations.communicators.common import check_tensor, widest_views
 from vllm_dist.implementations.communicators.nixl.agent import Peers, RegistrationCache
-from vllm_dist.implementations.communicators.nixl.mapping import ExposedBuffer, PeerMaps
+from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
+from vllm_dist.implementations.communicators.nixl.mapping import PeerMaps
 from vllm_dist.implementations.communicators.nixl.transfers import Piece
 
 MAX_PREPARED = 1 << 16  # copy views kept for reuse (a weight sync repeats its reads)

@@ -27,7 +27,7 @@ from vllm_dist.implementations.communicators.nixl.agent import (
 if TYPE_CHECKING:
     from nixl._api import nixl_xfer_handle
 
-    from vllm_dist.implementations.communicators.nixl.mapping import ExposedBuffer
+    from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
     from vllm_dist.implementations.communicators.nixl.transport import Transport
 
 
