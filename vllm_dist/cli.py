@@ -110,7 +110,7 @@ def _all_reduce_summary(
 
 def cmd_weight_transfer(args: argparse.Namespace) -> int:
     """A tiny Llama on the producers, TP consumers on the CPU over torch.distributed."""
-    from vllm_dist.tasks.weight_transfer.demo import run_demo
+    from vllm_dist.examples.weight_sync_demo import run_demo
 
     summary = run_demo(
         producers=args.producers,

@@ -14,11 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_dist.implementations.communicators.common import shared_empty
-from vllm_dist.tasks.weight_transfer.engine import TransferConfig
-from vllm_dist.tasks.weight_transfer.source import StateDictSource, WeightSource, stage_names
-from vllm_dist.tasks.weight_transfer.task import ConsumerSpec, WeightTransferTask
-from vllm_dist.tasks.weight_transfer.tp import (
+from vllm_dist.examples.llama_tp import (
     Shapes,
     build_llama,
     expected_params,
@@ -27,6 +23,15 @@ from vllm_dist.tasks.weight_transfer.tp import (
     llama_tp_layout,
     tensor_digest,
     tiny_llama_config,
+)
+from vllm_dist.implementations.communicators.common import shared_empty
+from vllm_dist.tasks.weight_transfer import (
+    ConsumerSpec,
+    StateDictSource,
+    TransferConfig,
+    WeightSource,
+    WeightTransferTask,
+    stage_names,
 )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_dist.tasks.weight_transfer.ops import Loader
+from vllm_dist.tasks.weight_transfer import Loader
 
 
 def replicated() -> Loader:
