@@ -164,21 +164,55 @@ def _seed(seed: int, step: int, name: str) -> int:
     return int.from_bytes(h, "little") & ((1 << 62) - 1)
 
 
-def tiny_llama_config(**overrides: Any) -> Any:
-    """A 2-layer Llama config small enough for CPU tests (no download)."""
-    from transformers import LlamaConfig
+TINY_LLAMA: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 
-    values: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    values.update(overrides)
-    return LlamaConfig(**values)
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A 2-layer Llama config small enough for CPU tests (no download); needs transformers."""
+    try:
+        from transformers import LlamaConfig
+    except ImportError as exc:
+        raise ImportError(
+            "a Hugging Face LlamaConfig needs transformers: pip install transformers "
+            "(tiny_llama_shapes() gives the same shapes without it)"
+        ) from exc
+
+    return LlamaConfig(**{**TINY_LLAMA, **overrides})
+
+
+def tiny_llama_shapes(dtype: torch.dtype = torch.bfloat16, **overrides: Any) -> dict[str, Any]:
+    """HF name -> (shape, dtype) of ``LlamaForCausalLM(tiny_llama_config(**overrides))``,
+    in its ``state_dict`` order, from the config numbers alone: transformers is not needed."""
+    c = {**TINY_LLAMA, **overrides}
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    layer = {
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    shapes: dict[str, Any] = {"model.embed_tokens.weight": ((vocab, hidden), dtype)}
+    for i in range(c["num_hidden_layers"]):
+        for leaf, shape in layer.items():
+            shapes[f"model.layers.{i}.{leaf}"] = (shape, dtype)
+    shapes["model.norm.weight"] = ((hidden,), dtype)
+    shapes["lm_head.weight"] = ((vocab, hidden), dtype)  # listed even when tied, as HF does
+    return shapes
 
 
 def build_llama(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
