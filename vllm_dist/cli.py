@@ -203,7 +203,10 @@ def communicator_unavailable(cls: type, device: str) -> str | None:
     Adds the CUDA check a backend may leave out of ``unavailable_reason`` (NIXL_RDT checks only
     for its package) and never creates a CUDA context.
     """
-    reason = cls.unavailable_reason(device)  # type: ignore[attr-defined]
+    try:
+        reason = cls.unavailable_reason(device)  # type: ignore[attr-defined]
+    except ImportError as exc:  # a probe that imports what is missing
+        reason = str(exc)
     if reason is None and device == "cuda":
         reason = cuda_unavailable()
     return reason  # type: ignore[no-any-return]
