@@ -272,3 +272,12 @@ def test_weight_transfer_runs_without_transformers(tmp_path: Path) -> None:
     summary = json.loads(proc.stdout)
     assert summary["verified"] is True and summary["syncs"] == 2
     assert summary["seconds_per_sync"]["count"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_all_reduce_json_is_the_only_stdout(tmp_path: Path) -> None:
+    argv = ["run", "all-reduce", "--world-size", "2", "--size", "1MiB", "--iters", "2", "--json"]
+    proc = run_cli_blocking(tmp_path, "transformers", *argv, timeout=160)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["verified"] is True and [r["rank"] for r in report["ranks"]] == [0, 1]

@@ -535,6 +535,7 @@ def _add_backend_args(p: argparse.ArgumentParser, job: str) -> None:
     p.add_argument(
         "--address",
         default=None,
+        metavar="ADDR",
         help="Ray cluster to join with --launcher ray ('auto', 'host:port', 'ray://...'); "
         "default: RAY_ADDRESS or a running 'ray start', else a private local cluster",
     )
@@ -564,7 +565,11 @@ def _add_backend_args(p: argparse.ArgumentParser, job: str) -> None:
 
 def _add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--timeout", type=_seconds, default=300.0, help="seconds before the launch is stopped"
+        "--timeout",
+        type=_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="seconds before the launch is stopped",
     )
     p.add_argument(
         "--json",
@@ -609,15 +614,20 @@ def _add_all_reduce(jobs: Any) -> None:
         formatter_class=_Formatter,
     )
     ar.add_argument(
-        "--world-size", type=_int_at_least(1), default=2, help="number of workers (ranks)"
+        "--world-size",
+        type=_int_at_least(1),
+        default=2,
+        metavar="N",
+        help="number of workers (ranks)",
     )
     ar.add_argument(
         "--size",
         type=parse_size,
+        metavar="BYTES",
         default="64MiB",
         help="bytes per rank: 4096, 64KiB, 64MiB, 1GiB (powers of two)",
     )
-    ar.add_argument("--iters", type=_int_at_least(1), default=10, help="timed calls")
+    ar.add_argument("--iters", type=_int_at_least(1), default=10, metavar="N", help="timed calls")
     ar.add_argument(
         "--dtype",
         default="float32",
@@ -639,20 +649,30 @@ def _add_weight_transfer(jobs: Any) -> None:
         formatter_class=_Formatter,
     )
     wt.add_argument(
-        "--producers", type=_int_at_least(1), default=2, help="trainer ranks holding the weights"
+        "--producers",
+        type=_int_at_least(1),
+        metavar="N",
+        default=2,
+        help="trainer ranks holding the weights",
     )
     wt.add_argument(
         "--consumers",
         type=_int_at_least(1),
+        metavar="N",
         default=2,
         help="inference workers, a multiple of --tp-size",
     )
     wt.add_argument(
-        "--syncs", type=_int_at_least(1), default=3, help="weight updates to push and verify"
+        "--syncs",
+        type=_int_at_least(1),
+        metavar="N",
+        default=3,
+        help="weight updates to push and verify",
     )
     wt.add_argument(
         "--tp-size",
         type=_int_at_least(1),
+        metavar="N",
         default=2,
         help="tensor-parallel size of each inference replica",
     )
