@@ -1,8 +1,8 @@
 """The ``vllm-dist`` command: run a distributed job, or report what this machine can run.
 
 Every flag is checked in the parent before a worker starts (exit code 2, one line naming the flag
-and the fix), so a bad value never costs a launch and a traceback per rank. Rejected
-alternative: letting the task raise in every worker, which is where these errors used to show.
+and the fix). Rejected alternative: letting the task raise in every worker, which costs a launch
+and prints a traceback per rank for a typo.
 ``info`` probes what this machine can run without creating a CUDA context or importing a
 backend it does not report on.
 """
