@@ -281,3 +281,35 @@ def test_all_reduce_json_is_the_only_stdout(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["verified"] is True and [r["rank"] for r in report["ranks"]] == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_a_launch_prints_one_line_and_stops_the_workers(tmp_path: Path) -> None:
+    psutil = pytest.importorskip("psutil")
+    import signal
+    import time
+
+    argv = ["run", "all-reduce", "--size", "4KiB", "--iters", "100000000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_dist.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 60
+    while len(parent.children(recursive=True)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the resource tracker and two workers
+    workers = parent.children(recursive=True)
+    assert len(workers) >= 3, "the workers did not start"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "vllm-dist: interrupted; workers stopped", err[-2000:]
+    assert "Traceback" not in err
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, alive

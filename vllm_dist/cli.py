@@ -691,6 +691,14 @@ def _add_weight_transfer(jobs: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``vllm-dist``; returns the exit code (2: bad flags, 130: interrupted)."""
     try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("vllm-dist: interrupted; workers stopped", file=sys.stderr)
+        return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a flag argparse refused
         return exc.code if isinstance(exc.code, int) else 2
@@ -702,9 +710,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"vllm-dist: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("vllm-dist: interrupted; workers stopped", file=sys.stderr)
-        return 130
     except LaunchError as exc:
         print(f"vllm-dist: {exc}", file=sys.stderr)
         return 1
