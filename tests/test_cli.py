@@ -313,3 +313,12 @@ def test_ctrl_c_during_a_launch_prints_one_line_and_stops_the_workers(tmp_path: 
     assert "Traceback" not in err
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, alive
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_hidden_layers": 3, "num_key_value_heads": 4}])
+def test_demo_shapes_without_transformers_match_the_hf_model(overrides: dict[str, int]) -> None:
+    pytest.importorskip("transformers")
+    from vllm_dist.examples.llama_tp import llama_shapes, tiny_llama_config, tiny_llama_shapes
+
+    want = llama_shapes(tiny_llama_config(**overrides))
+    assert list(tiny_llama_shapes(**overrides).items()) == list(want.items())

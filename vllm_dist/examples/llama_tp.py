@@ -177,15 +177,19 @@ TINY_LLAMA: dict[str, Any] = dict(
 
 def tiny_llama_config(**overrides: Any) -> Any:
     """A 2-layer Llama config small enough for CPU tests (no download); needs transformers."""
+    return _transformers().LlamaConfig(**{**TINY_LLAMA, **overrides})
+
+
+def _transformers() -> Any:
+    """The transformers module, or an ImportError that says what to install instead."""
     try:
-        from transformers import LlamaConfig
+        import transformers
     except ImportError as exc:
         raise ImportError(
-            "a Hugging Face LlamaConfig needs transformers: pip install transformers "
-            "(tiny_llama_shapes() gives the same shapes without it)"
+            f"the Hugging Face Llama classes need transformers ({exc}): pip install transformers; "
+            "tiny_llama_shapes() gives the same shapes without it"
         ) from exc
-
-    return LlamaConfig(**{**TINY_LLAMA, **overrides})
+    return transformers
 
 
 def tiny_llama_shapes(dtype: torch.dtype = torch.bfloat16, **overrides: Any) -> dict[str, Any]:
@@ -217,10 +221,8 @@ def tiny_llama_shapes(dtype: torch.dtype = torch.bfloat16, **overrides: Any) -> 
 
 def build_llama(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised ``LlamaForCausalLM`` from ``config`` (nothing is downloaded)."""
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(seed)
-    model: torch.nn.Module = LlamaForCausalLM(config)
+    model: torch.nn.Module = _transformers().LlamaForCausalLM(config)
     model.to(dtype=dtype)
     model.requires_grad_(False)
     return model
@@ -228,8 +230,6 @@ def build_llama(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0)
 
 def llama_shapes(config: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """HF name -> (shape, dtype) of a Llama from ``config``, built on the meta device."""
-    from transformers import LlamaForCausalLM
-
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = _transformers().LlamaForCausalLM(config)
     return {n: (tuple(t.shape), dtype) for n, t in model.state_dict().items()}
