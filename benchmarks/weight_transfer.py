@@ -42,6 +42,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import human, print_table, write_outputs  # noqa: E402
 from vllm_dist import CommunicatorType, CoordinatorType, MPLauncher  # noqa: E402
+from vllm_dist.examples.llama_tp import (  # noqa: E402
+    column_parallel,
+    expected_params,
+    llama_tp_layout,
+    row_parallel,
+    tensor_digest,
+)
+from vllm_dist.examples.weight_sync_demo import allocate  # noqa: E402
 from vllm_dist.implementations.communicators.common import (  # noqa: E402
     shared_empty,
     shared_gpu_nccl_env,
@@ -53,14 +61,6 @@ from vllm_dist.tasks.weight_transfer import (  # noqa: E402
     TransferConfig,
     WeightSource,
     WeightTransferTask,
-)
-from vllm_dist.tasks.weight_transfer.demo import allocate  # noqa: E402
-from vllm_dist.tasks.weight_transfer.tp import (  # noqa: E402
-    column_parallel,
-    expected_params,
-    llama_tp_layout,
-    row_parallel,
-    tensor_digest,
 )
 
 MB = 1_000_000

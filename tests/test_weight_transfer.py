@@ -27,6 +27,19 @@ from vllm_dist import (
     MPLauncher,
     register_communicator,
 )
+from vllm_dist.examples.llama_tp import (
+    column_parallel,
+    expected_params,
+    fill_weights,
+    fused_shard,
+    llama_shapes,
+    llama_tp_layout,
+    row_parallel,
+    tensor_digest,
+    tiny_llama_config,
+    transposed_row_parallel,
+)
+from vllm_dist.examples.weight_sync_demo import LlamaTransferTask, allocate, summarize
 from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env
 from vllm_dist.implementations.communicators.nixl_rdt import NixlRdtCommunicator
 from vllm_dist.implementations.launchers.common import find_free_port
@@ -60,22 +73,9 @@ from vllm_dist.tasks.weight_transfer import (
     pair_digest,
     replay,
 )
-from vllm_dist.tasks.weight_transfer.demo import LlamaTransferTask, allocate, summarize
 from vllm_dist.tasks.weight_transfer.engine import _ShapeCache
 from vllm_dist.tasks.weight_transfer.ops import loader_key
 from vllm_dist.tasks.weight_transfer.plan import decode_requests, encode_requests, plan_digest
-from vllm_dist.tasks.weight_transfer.tp import (
-    column_parallel,
-    expected_params,
-    fill_weights,
-    fused_shard,
-    llama_shapes,
-    llama_tp_layout,
-    row_parallel,
-    tensor_digest,
-    tiny_llama_config,
-    transposed_row_parallel,
-)
 from vllm_dist.tasks.weight_transfer.views import ViewCache, slot_views
 
 MiB = 1 << 20

@@ -36,7 +36,7 @@ from vllm_dist.registry import (
 )
 from vllm_dist.tasks.base import GlobalCoordinatorDistributedTask, GroupCoordinatorDistributedTask
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version lives; setup.cfg reads it
 
 __all__ = [
     "BackendUnavailableError",

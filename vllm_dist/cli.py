@@ -1,85 +1,291 @@
 """The ``vllm-dist`` command: run a distributed job, or report what this machine can run.
 
-``vllm-dist run all-reduce --world-size 2``   a verified multi-process all-reduce (CPU default)
-``vllm-dist run weight-transfer --producers 2 --consumers 2``   a verified weight sync demo
-``vllm-dist info``   versions, devices, and every registered backend with whether it is usable
+Every flag is checked in the parent before a worker starts (exit code 2, one line naming the flag
+and the fix). Rejected alternative: letting the task raise in every worker, which costs a launch
+and prints a traceback per rank for a typo.
+``info`` probes what this machine can run without creating a CUDA context or importing a
+backend it does not report on.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
+import contextlib
+import difflib
 import json
+import os
+import re
+import statistics
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
-from vllm_dist import registry
-from vllm_dist.interfaces import LaunchError
+from vllm_dist import __version__, registry
+from vllm_dist.interfaces import CommOp, LaunchError
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1 << 10,
-    "KIB": 1 << 10,
-    "M": 1 << 20,
-    "MIB": 1 << 20,
-    "G": 1 << 30,
-    "GIB": 1 << 30,
+MAX_SIZE = 1 << 40  # 1 TiB: far above any one device's memory, far below an overflow
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?", re.IGNORECASE)
+
+# what each job needs of a communicator: any one of these sets of operations
+_JOB_OPS: dict[str, tuple[frozenset[CommOp], ...]] = {
+    "all-reduce": (frozenset({CommOp.ALL_REDUCE}),),
+    "weight-transfer": (frozenset({CommOp.READ}), frozenset({CommOp.SEND, CommOp.RECV})),
 }
 
 
+class UsageError(Exception):
+    """A flag the parent refuses before any worker starts; the message names flag and fix."""
+
+
 def parse_size(text: str) -> int:
-    """``"64MiB"`` -> 67108864; accepts B, K/KiB, M/MiB, G/GiB (powers of two)."""
-    raw = text.strip().upper()
-    digits = raw.rstrip("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    unit = raw[len(digits) :]
-    if not digits or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4096, 64KiB, 64MiB or 1GiB")
-    value = int(float(digits) * _UNITS[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    """``"64MiB"`` -> 67108864. Accepts B, K/KiB, M/MiB, G/GiB, T/TiB (powers of two); a plain
+    decimal number, no exponent; between 1 byte and 1 TiB."""
+    match = _SIZE_RE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size like 4096, 64KiB, 64MiB or 1GiB (no exponents)"
+        )
+    value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if not 1 <= value <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside 1B..1TiB")
     return value
 
 
-def _launcher(args: argparse.Namespace, n_tasks: int) -> Any:
-    # resolve every name here, so that a typo fails before any worker starts
-    args.coordinator = registry.coordinators.resolve_name(args.coordinator)
-    args.communicator = registry.communicators.resolve_name(args.communicator)
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < 1e7:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _backend_name(axis: str) -> Callable[[str], str]:
+    """A ``type=`` that resolves a registry name (case-insensitive) and suggests on a typo."""
+    reg = getattr(registry, f"{axis}s")
+
+    def parse(text: str) -> str:
+        try:
+            return str(reg.resolve_name(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc) + _did_you_mean(text, reg.names())) from None
+
+    parse.__name__ = f"{axis} name"
+    return parse
+
+
+def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and a suggestion for a mistyped option or command."""
+
+    def error(self, message: str) -> NoReturn:
+        message += self._suggestion(message)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _suggestion(self, message: str) -> str:
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = re.findall(r"'?([\w.-]+)'?", choice.group(2))
+            return _did_you_mean(choice.group(1), options)
+        unknown = re.search(r"unrecognized arguments: (\S+)", message)
+        if unknown and unknown.group(1).startswith("-"):
+            return _did_you_mean(unknown.group(1).split("=")[0], sorted(_all_options(self)))
+        return ""
+
+
+def _all_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of ``parser`` and of its sub-commands, recursively."""
+    found: set[str] = set()
+    for action in parser._actions:
+        found.update(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _all_options(sub)
+    return found
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown in help; descriptions kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flags that cannot work here, before any worker starts; raises ``UsageError``.
+
+    Device checks run only for the local launcher: under Ray the workers' nodes have the GPUs.
+    """
+    device = getattr(args, "device", "cpu")
+    launcher = getattr(args, "launcher", "mp")
+    local = launcher == "mp"
+    if getattr(args, "address", None) and launcher != "ray":
+        raise UsageError("--address joins a Ray cluster: add --launcher ray, or drop --address")
+    if device == "cuda" and local:
+        _check_local_cuda(args)
+    _check_communicator(args.job, args.communicator, device if local else None)
+    if args.job == "weight-transfer" and args.consumers % args.tp_size:
+        raise UsageError(
+            f"--consumers {args.consumers} must be a multiple of --tp-size {args.tp_size} "
+            f"(each replica has --tp-size consumers): try --consumers {args.tp_size}"
+        )
+
+
+def _check_communicator(job: str, name: str, device: str | None) -> None:
+    """The backend loads, has the job's operations and (``device`` given) runs on it here."""
+    try:
+        cls = registry.get_communicator_class(name)
+    except (ImportError, ValueError, TypeError) as exc:
+        raise UsageError(f"--communicator {name}: {exc}") from None
+    needed = _JOB_OPS.get(job, ())
+    if needed and not _has_ops(cls, needed):
+        wanted = " or ".join("+".join(sorted(o.value for o in want)) for want in needed)
+        able = _communicators_for(needed, device)
+        raise UsageError(
+            f"--communicator {name} lacks {wanted}, which {job} needs: use --communicator "
+            + " or ".join(able or ["<a backend that has it>"])
+        )
+    reason = None if device is None else communicator_unavailable(cls, device)
+    if reason:
+        others = [n for n in _communicators_for(needed, device) if n != name]
+        fix = f"use --communicator {' or '.join(others)}" if others else "see vllm-dist info"
+        reason = reason.split(". ")[0]  # the cause; the fix below is in CLI terms
+        raise UsageError(f"--communicator {name} cannot run on --device {device}: {reason}; {fix}")
+
+
+def _has_ops(cls: type, needed: tuple[frozenset[CommOp], ...]) -> bool:
+    return any(want <= cls.supported_ops for want in needed)  # type: ignore[attr-defined]
+
+
+def _communicators_for(needed: tuple[frozenset[CommOp], ...], device: str | None) -> list[str]:
+    """Loadable communicators with the operations (and usable on ``device`` when given)."""
+    names = []
+    for name in registry.communicators.names():
+        try:
+            cls = registry.get_communicator_class(name)
+        except (ImportError, ValueError, TypeError):
+            continue
+        if _has_ops(cls, needed) and (device is None or not communicator_unavailable(cls, device)):
+            names.append(name)
+    return names
+
+
+def communicator_unavailable(cls: type, device: str) -> str | None:
+    """Why ``cls`` cannot move ``device`` memory on this machine; None if it can.
+
+    Adds the CUDA check a backend may leave out of ``unavailable_reason`` (NIXL_RDT checks only
+    for its package) and never creates a CUDA context.
+    """
+    try:
+        reason = cls.unavailable_reason(device)  # type: ignore[attr-defined]
+    except ImportError as exc:  # a probe that imports what is missing
+        reason = str(exc)
+    if reason is None and device == "cuda":
+        reason = cuda_unavailable()
+    return reason  # type: ignore[no-any-return]
+
+
+def cuda_unavailable() -> str | None:
+    """Why this process cannot use CUDA (torch build or no device); None if it can."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"this torch build ({torch.__version__}) has no CUDA"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+    return None
+
+
+def _check_local_cuda(args: argparse.Namespace) -> None:
+    reason = cuda_unavailable()
+    if reason:
+        raise UsageError(f"--device cuda: {reason}; run with --device cpu")
+    import torch
+
+    world, gpus = getattr(args, "world_size", 1), torch.cuda.device_count()
+    if args.communicator in ("pynccl", "torch_distributed") and world > gpus:
+        raise UsageError(
+            f"--world-size {world} needs a GPU per rank for NCCL, this machine has {gpus}: "
+            f"use --world-size {gpus}, or --communicator nixl_rdt"
+        )
+
+
+def make_launcher(args: argparse.Namespace, n_tasks: int) -> Any:
+    """The launcher the flags ask for, built in the parent (a missing Ray fails here)."""
     cls = registry.get_launcher_class(args.launcher)
-    return cls(n_tasks, timeout=args.timeout)  # type: ignore[call-arg]
+    kwargs: dict[str, Any] = {"timeout": args.timeout}
+    if args.launcher == "ray":
+        kwargs["address"] = args.address
+        kwargs["num_gpus_per_task"] = 1 if args.device == "cuda" else 0
+    try:
+        return cls(n_tasks, **kwargs)  # type: ignore[call-arg]
+    except (ImportError, ValueError, TypeError) as exc:
+        raise UsageError(f"--launcher {args.launcher}: {exc}") from None
 
 
-def _add_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--launcher", default="mp", help="launcher name (default: mp)")
-    p.add_argument("--coordinator", default="torch_distributed", help="coordinator name")
-    p.add_argument("--communicator", default="torch_distributed", help="communicator name")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="default: cpu")
-    p.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds before the launch is stopped"
-    )
-    p.add_argument("--json", action="store_true", help="print the per-rank results as JSON")
+# --------------------------------------------------------------------------- run
+
+
+@contextlib.contextmanager
+def _workers_output(as_json: bool) -> Iterator[None]:
+    """With ``--json``, worker output (and NIXL's log lines) go to stderr: stdout is the JSON."""
+    if not as_json:
+        yield
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 def cmd_all_reduce(args: argparse.Namespace) -> int:
     from vllm_dist.tasks.all_reduce import AllReduceBenchTask
 
+    launcher = make_launcher(args, args.world_size)
     start = time.perf_counter()
-    results = _launcher(args, args.world_size).launch(
-        task_type=AllReduceBenchTask,
-        coordinator_type=args.coordinator,
-        communicator_type=args.communicator,
-        device=args.device,
-        size_bytes=args.size,
-        iters=args.iters,
-        dtype=args.dtype,
-    )
+    with _workers_output(args.json):
+        results = launcher.launch(
+            task_type=AllReduceBenchTask,
+            coordinator_type=args.coordinator,
+            communicator_type=args.communicator,
+            device=args.device,
+            size_bytes=args.size,
+            iters=args.iters,
+            dtype=args.dtype,
+        )
     elapsed = time.perf_counter() - start
+    ok = all(r["verified"] for r in results)
     if args.json:
-        print(json.dumps(results, indent=2, default=str))
-    print(_all_reduce_summary(results, args, elapsed))
-    return 0 if all(r["verified"] for r in results) else 1
+        summary = {"job": "all-reduce", "verified": ok, "launch_seconds": elapsed}
+        print(json.dumps({**summary, "ranks": results}, indent=2, default=str))
+    else:
+        print(_all_reduce_summary(results, args, elapsed))
+    return 0 if ok else 1
 
 
 def _all_reduce_summary(
@@ -109,24 +315,50 @@ def _all_reduce_summary(
 
 
 def cmd_weight_transfer(args: argparse.Namespace) -> int:
-    """A tiny Llama on the producers, TP consumers on the CPU over torch.distributed."""
-    from vllm_dist.tasks.weight_transfer.demo import run_demo
+    """A small Llama-shaped model on the producers, TP consumers on the CPU."""
+    from vllm_dist.examples.weight_sync_demo import run_demo
 
-    summary = run_demo(
-        producers=args.producers,
-        consumers=args.consumers,
-        syncs=args.syncs,
-        tp_size=args.tp_size,
-        timeout=args.timeout,
-        communicator=args.communicator,
-    )
+    with _workers_output(args.json):
+        summary = run_demo(
+            producers=args.producers,
+            consumers=args.consumers,
+            syncs=args.syncs,
+            tp_size=args.tp_size,
+            timeout=args.timeout,
+            communicator=args.communicator,
+        )
     if args.json:
-        print(json.dumps(summary, indent=2, default=str))
+        print(json.dumps(summarize_lists(summary, always=True), indent=2, default=str))
     else:
-        print(f"weight transfer (tiny Llama, tensor-parallel consumers, CPU, {args.communicator})")
-        for key, value in summary.items():
+        print(f"weight transfer (small Llama, tensor-parallel consumers, CPU, {args.communicator})")
+        for key, value in summarize_lists(summary, always=False).items():
             print(f"  {key:<18} {_fmt(value)}")
     return 0 if summary.get("verified") else 1
+
+
+LONG_LIST = 8  # per-sync lists longer than this are printed as count / min / median / max
+
+
+def summarize_lists(summary: dict[str, Any], *, always: bool) -> dict[str, Any]:
+    """Per-sync lists as ``{count, first, min, median, max}`` (booleans: how many are true);
+    ``always`` for a JSON schema that does not change with the number of syncs."""
+    out: dict[str, Any] = {}
+    for key, value in summary.items():
+        if not isinstance(value, list) or not (always or len(value) > LONG_LIST):
+            out[key] = value
+        elif all(isinstance(v, bool) for v in value):
+            out[key] = {"count": len(value), "true": sum(value)}
+        elif value and all(isinstance(v, (int, float)) for v in value):
+            out[key] = {
+                "count": len(value),
+                "first": value[0],
+                "min": min(value),
+                "median": statistics.median(value),
+                "max": max(value),
+            }
+        else:
+            out[key] = value
+    return out
 
 
 def _fmt(value: Any) -> str:
@@ -134,45 +366,109 @@ def _fmt(value: Any) -> str:
         return f"{value:.4g}"
     if isinstance(value, list):
         return ", ".join(_fmt(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
     return str(value)
 
 
+# --------------------------------------------------------------------------- info
+
+_ENV_PREFIXES = ("NCCL_", "UCX_", "NIXL_")
+# what a launcher needs to import to be usable; plugins: whatever their class loads
+_LAUNCHER_MODULES = {"ray": "ray"}
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    facts = collect_info()
+    print(json.dumps(facts, indent=2) if args.json else render_info(facts))
+    return 0
+
+
+def collect_info() -> dict[str, Any]:
+    """Versions, devices, environment and backends, as plain data (the ``--json`` report)."""
+    import platform
+
+    import torch
+
+    cuda = cuda_unavailable()
+    devices = ["cpu"]
+    if cuda is None:
+        devices += [
+            f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())
+        ]
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            "vllm_dist": __version__,
+            "torch": torch.__version__,
+            "torch CUDA": torch.version.cuda or "none (CPU build)",
+            "CUDA driver": _cuda_driver_version(),
+            "torch NCCL": ".".join(map(str, torch.cuda.nccl.version())) if cuda is None else "-",
+            "libnccl": _libnccl_version(),
+            "ray": _version("ray"),
+            "nixl": _version("nixl"),
+            "UCX": _ucx_version(),
+            "cloudpickle": _version("cloudpickle"),
+        },
+        "devices": devices,
+        "cuda": "usable" if cuda is None else f"no ({cuda})",
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
+        "backends": _backends(),
+    }
+
+
+def render_info(facts: dict[str, Any]) -> str:
+    """The text form of ``collect_info()``."""
+    lines = ["versions"]
+    lines += [f"  {k:<12} {v}" for k, v in facts["versions"].items()]
+    lines.append("devices")
+    lines += [f"  {d}" for d in facts["devices"]]
+    if len(facts["devices"]) == 1:
+        lines.append(f"  (CUDA: {facts['cuda']})")
+    lines.append("environment (NCCL_*, UCX_*, NIXL_*)")
+    env = facts["environment"]
+    lines += [f"  {k}={v}" for k, v in env.items()] or ["  (none set)"]
+    lines.append("backends")
+    for b in facts["backends"]:
+        where = "; ".join(r if d == "any" else f"{d}: {r}" for d, r in b["devices"].items())
+        lines.append(f"  {b['axis']:<12} {b['name']:<18} {where}")
+    return "\n".join(lines)
+
+
+def _backends() -> list[dict[str, Any]]:
+    out = []
+    for axis in ("launcher", "coordinator", "communicator"):
+        reg = getattr(registry, f"{axis}s")
+        for name in reg.names():
+            out.append({"axis": axis, "name": name, "devices": _usability(axis, reg, name)})
+    return out
+
+
+def _usability(axis: str, reg: Any, name: str) -> dict[str, str]:
+    """``{"any": "usable"}`` for launchers and coordinators, per device for communicators."""
+    try:
+        cls = reg.get(name)
+        module = _LAUNCHER_MODULES.get(name) if axis == "launcher" else None
+        if module:
+            __import__(module)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return {"any": f"unusable ({str(exc).splitlines()[0][:160]})"}
+    if axis != "communicator":
+        return {"any": "usable"}
+    out = {}
+    for device in ("cpu", "cuda"):
+        reason = communicator_unavailable(cls, device)
+        out[device] = "usable" if reason is None else f"no ({reason})"
+    return out
+
+
 def _version(package: str) -> str:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    import torch
-
-    print("versions")
-    print(f"  python       {sys.version.split()[0]}")
-    print(f"  vllm_dist    {_version('vllm_dist')}")
-    print(f"  torch        {torch.__version__}")
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
-    print(f"  torch NCCL   {nccl}")
-    print(f"  libnccl      {_libnccl_version()}")
-    print(f"  ray          {_version('ray')}")
-    print(f"  nixl         {_version('nixl')}")
-    print(f"  cloudpickle  {_version('cloudpickle')}")
-    print("devices")
-    print("  cpu")
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            print(f"  cuda:{i}       {torch.cuda.get_device_name(i)}")
-    else:
-        print("  (no CUDA device)")
-    print("backends")
-    for axis, reg in (
-        ("launcher", registry.launchers),
-        ("coordinator", registry.coordinators),
-        ("communicator", registry.communicators),
-    ):
-        for name in reg.names():
-            print(f"  {axis:<12} {name:<18} {_usability(axis, reg, name)}")
-    return 0
 
 
 def _libnccl_version() -> str:
@@ -185,61 +481,235 @@ def _libnccl_version() -> str:
         return f"not found ({str(exc).splitlines()[0][:80]})"
 
 
-def _usability(axis: str, reg: Any, name: str) -> str:
-    try:
-        cls = reg.get(name)
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
-        return f"unusable: {exc}"
-    if axis != "communicator":
-        return "usable"
-    parts = []
-    for device in ("cpu", "cuda"):
-        reason = cls.unavailable_reason(device)
-        parts.append(f"{device}: {'usable' if reason is None else 'no (' + reason + ')'}")
-    return "; ".join(parts)
+def _cuda_driver_version() -> str:
+    """The kernel driver's version and the CUDA version it supports, without a CUDA context."""
+    import ctypes
+
+    found = []
+    with contextlib.suppress(OSError, IndexError), open("/proc/driver/nvidia/version") as f:
+        found.append(re.findall(r"\d+\.\d+(?:\.\d+)?", f.readline())[0])
+    with contextlib.suppress(OSError, AttributeError):
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            found.append(f"CUDA {version.value // 1000}.{version.value % 1000 // 10}")
+    return " ".join(found) or "none (no NVIDIA driver)"
+
+
+def _ucx_version() -> str:
+    """UCX's version from the libucp that NIXL bundles, else the system's; never imports NIXL."""
+    import ctypes
+    import ctypes.util
+    import glob
+    import importlib.util
+
+    candidates = []
+    for pkg in ("nixl_cu13", "nixl_cu12", "nixl"):
+        with contextlib.suppress(ImportError, ValueError):
+            spec = importlib.util.find_spec(pkg)
+            if spec is not None and spec.origin:
+                libs = os.path.dirname(os.path.dirname(spec.origin))
+                candidates += sorted(glob.glob(os.path.join(libs, f"{pkg}.libs", "libucp*.so*")))
+    candidates.append(ctypes.util.find_library("ucp") or "")
+    for path in filter(None, candidates):
+        with contextlib.suppress(OSError, AttributeError):
+            get = ctypes.CDLL(path).ucp_get_version_string
+            get.restype = ctypes.c_char_p
+            where = "bundled with NIXL" if ".libs" in path else path
+            return f"{get().decode()} ({where})"
+    return "not found"
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _add_backend_args(p: argparse.ArgumentParser, job: str) -> None:
+    launchers = registry.launchers.names()
+    comms = registry.communicators.names()
+    p.add_argument(
+        "--launcher",
+        type=_backend_name("launcher"),
+        default="mp",
+        metavar="{" + ",".join(launchers) + "}",
+        help="how workers start: mp (processes on this machine) or ray (Ray actors)",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDR",
+        help="Ray cluster to join with --launcher ray ('auto', 'host:port', 'ray://...'); "
+        "default: RAY_ADDRESS or a running 'ray start', else a private local cluster",
+    )
+    p.add_argument(
+        "--coordinator",
+        type=_backend_name("coordinator"),
+        default="torch_distributed",
+        metavar="{" + ",".join(registry.coordinators.names()) + "}",
+        help="the CPU control plane between workers",
+    )
+    p.add_argument(
+        "--communicator",
+        type=_backend_name("communicator"),
+        default="torch_distributed",
+        metavar="{" + ",".join(comms) + "}",
+        help="the data plane that moves the tensors"
+        + (" (torch_distributed: gloo on cpu, NCCL on cuda)" if job == "all-reduce" else ""),
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the tensors live; cuda: each worker on cuda:<local rank>",
+    )
+    _add_common_args(p)
+
+
+def _add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="seconds before the launch is stopped",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print only JSON on stdout (worker output and logs go to stderr)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-dist", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a distributed job")
-    jobs = run.add_subparsers(dest="job", required=True)
-
-    ar = jobs.add_parser("all-reduce", help="a verified, timed all-reduce")
-    ar.add_argument("--world-size", type=int, default=2)
-    ar.add_argument("--size", type=parse_size, default=parse_size("64MiB"), help="bytes per rank")
-    ar.add_argument("--iters", type=int, default=10)
-    ar.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    _add_backend_args(ar)
-    ar.set_defaults(func=cmd_all_reduce)
-
-    wt = jobs.add_parser("weight-transfer", help="a verified trainer-to-inference weight sync")
-    wt.add_argument("--producers", type=int, default=2)
-    wt.add_argument("--consumers", type=int, default=2)
-    wt.add_argument("--syncs", type=int, default=3, help="weight updates to push and verify")
-    wt.add_argument("--tp-size", type=int, default=2, help="tensor-parallel size of each replica")
-    wt.add_argument("--timeout", type=float, default=300.0)
-    wt.add_argument(
-        "--communicator",
-        default="torch_distributed",
-        choices=["torch_distributed", "nixl_rdt"],
-        help="send/recv over torch.distributed, or one-sided READs over NIXL (replayed syncs)",
+    """The ``vllm-dist`` argument parser."""
+    parser = _Parser(
+        prog="vllm-dist",
+        description="Run a verified distributed job, or report what this machine can run.",
+        formatter_class=_Formatter,
     )
-    wt.add_argument("--json", action="store_true")
-    wt.set_defaults(func=cmd_weight_transfer)
-
-    info = sub.add_parser("info", help="versions, devices and backends")
-    info.set_defaults(func=cmd_info)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,info}")
+    run = sub.add_parser(
+        "run", help="run a distributed job", description="Run a verified distributed job."
+    )
+    jobs = run.add_subparsers(dest="job", required=True, metavar="{all-reduce,weight-transfer}")
+    _add_all_reduce(jobs)
+    _add_weight_transfer(jobs)
+    info = sub.add_parser(
+        "info",
+        help="versions, devices, environment and which backends work here",
+        description="Versions, devices, NCCL_/UCX_/NIXL_ variables in force, and every "
+        "registered backend with whether it works on this machine (and why not).",
+        formatter_class=_Formatter,
+    )
+    info.add_argument("--json", action="store_true", help="print the report as JSON")
+    info.set_defaults(func=cmd_info, job=None)
     return parser
 
 
+def _add_all_reduce(jobs: Any) -> None:
+    ar = jobs.add_parser(
+        "all-reduce",
+        help="a verified, timed all-reduce",
+        description="Every rank sums a tensor over the world, checks the result and times "
+        "--iters calls (after 3 warm-up calls).",
+        formatter_class=_Formatter,
+    )
+    ar.add_argument(
+        "--world-size",
+        type=_int_at_least(1),
+        default=2,
+        metavar="N",
+        help="number of workers (ranks)",
+    )
+    ar.add_argument(
+        "--size",
+        type=parse_size,
+        metavar="BYTES",
+        default="64MiB",
+        help="bytes per rank: 4096, 64KiB, 64MiB, 1GiB (powers of two)",
+    )
+    ar.add_argument("--iters", type=_int_at_least(1), default=10, metavar="N", help="timed calls")
+    ar.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="element type",
+    )
+    _add_backend_args(ar, "all-reduce")
+    ar.set_defaults(func=cmd_all_reduce)
+
+
+def _add_weight_transfer(jobs: Any) -> None:
+    wt = jobs.add_parser(
+        "weight-transfer",
+        help="a verified trainer-to-inference weight sync",
+        description="Producers (trainer ranks) hold a small Llama-shaped model; consumers "
+        "(inference workers, --tp-size per replica) load their own shard of it with their own "
+        "loaders. The weights change before every sync and every consumer checks every byte. "
+        "Runs on the CPU with the multiprocessing launcher.",
+        formatter_class=_Formatter,
+    )
+    wt.add_argument(
+        "--producers",
+        type=_int_at_least(1),
+        metavar="N",
+        default=2,
+        help="trainer ranks holding the weights",
+    )
+    wt.add_argument(
+        "--consumers",
+        type=_int_at_least(1),
+        metavar="N",
+        default=2,
+        help="inference workers, a multiple of --tp-size",
+    )
+    wt.add_argument(
+        "--syncs",
+        type=_int_at_least(1),
+        metavar="N",
+        default=3,
+        help="weight updates to push and verify",
+    )
+    wt.add_argument(
+        "--tp-size",
+        type=_int_at_least(1),
+        metavar="N",
+        default=2,
+        help="tensor-parallel size of each inference replica",
+    )
+    wt.add_argument(
+        "--communicator",
+        type=_backend_name("communicator"),
+        default="torch_distributed",
+        metavar="{" + ",".join(registry.communicators.names()) + "}",
+        help="torch_distributed: send/recv over gloo; nixl_rdt: one-sided READs of the "
+        "trainer's memory (needs the nixl package), whole syncs replayed from the second on",
+    )
+    _add_common_args(wt)
+    wt.set_defaults(func=cmd_weight_transfer)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "world_size", 1) < 1:
-        print("vllm-dist: --world-size must be at least 1", file=sys.stderr)
-        return 2
+    """Entry point of ``vllm-dist``; returns the exit code (2: bad flags, 130: interrupted)."""
     try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("vllm-dist: interrupted; workers stopped", file=sys.stderr)
+        return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a flag argparse refused
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        if args.command == "run":
+            check_args(args)
+            os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO lines, unless asked
         return int(args.func(args))
+    except UsageError as exc:
+        print(f"vllm-dist: {exc}", file=sys.stderr)
+        return 2
     except LaunchError as exc:
         print(f"vllm-dist: {exc}", file=sys.stderr)
         return 1

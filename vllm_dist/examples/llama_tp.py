@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_dist.tasks.weight_transfer.ops import Loader
+from vllm_dist.tasks.weight_transfer import Loader
 
 
 def replicated() -> Loader:
@@ -164,29 +164,65 @@ def _seed(seed: int, step: int, name: str) -> int:
     return int.from_bytes(h, "little") & ((1 << 62) - 1)
 
 
-def tiny_llama_config(**overrides: Any) -> Any:
-    """A 2-layer Llama config small enough for CPU tests (no download)."""
-    from transformers import LlamaConfig
+TINY_LLAMA: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 
-    values: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    values.update(overrides)
-    return LlamaConfig(**values)
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A 2-layer Llama config small enough for CPU tests (no download); needs transformers."""
+    return _transformers().LlamaConfig(**{**TINY_LLAMA, **overrides})
+
+
+def _transformers() -> Any:
+    """The transformers module, or an ImportError that says what to install instead."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            f"the Hugging Face Llama classes need transformers ({exc}): pip install transformers; "
+            "tiny_llama_shapes() gives the same shapes without it"
+        ) from exc
+    return transformers
+
+
+def tiny_llama_shapes(dtype: torch.dtype = torch.bfloat16, **overrides: Any) -> dict[str, Any]:
+    """HF name -> (shape, dtype) of ``LlamaForCausalLM(tiny_llama_config(**overrides))``,
+    in its ``state_dict`` order, from the config numbers alone: transformers is not needed."""
+    c = {**TINY_LLAMA, **overrides}
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    layer = {
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    shapes: dict[str, Any] = {"model.embed_tokens.weight": ((vocab, hidden), dtype)}
+    for i in range(c["num_hidden_layers"]):
+        for leaf, shape in layer.items():
+            shapes[f"model.layers.{i}.{leaf}"] = (shape, dtype)
+    shapes["model.norm.weight"] = ((hidden,), dtype)
+    shapes["lm_head.weight"] = ((vocab, hidden), dtype)  # listed even when tied, as HF does
+    return shapes
 
 
 def build_llama(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised ``LlamaForCausalLM`` from ``config`` (nothing is downloaded)."""
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(seed)
-    model: torch.nn.Module = LlamaForCausalLM(config)
+    model: torch.nn.Module = _transformers().LlamaForCausalLM(config)
     model.to(dtype=dtype)
     model.requires_grad_(False)
     return model
@@ -194,8 +230,6 @@ def build_llama(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0)
 
 def llama_shapes(config: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """HF name -> (shape, dtype) of a Llama from ``config``, built on the meta device."""
-    from transformers import LlamaForCausalLM
-
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = _transformers().LlamaForCausalLM(config)
     return {n: (tuple(t.shape), dtype) for n, t in model.state_dict().items()}

@@ -14,19 +14,24 @@ from typing import Any
 
 import torch
 
-from vllm_dist.implementations.communicators.common import shared_empty
-from vllm_dist.tasks.weight_transfer.engine import TransferConfig
-from vllm_dist.tasks.weight_transfer.source import StateDictSource, WeightSource, stage_names
-from vllm_dist.tasks.weight_transfer.task import ConsumerSpec, WeightTransferTask
-from vllm_dist.tasks.weight_transfer.tp import (
+from vllm_dist.examples.llama_tp import (
     Shapes,
     build_llama,
     expected_params,
     fill_weights,
-    llama_shapes,
     llama_tp_layout,
     tensor_digest,
     tiny_llama_config,
+    tiny_llama_shapes,
+)
+from vllm_dist.implementations.communicators.common import shared_empty
+from vllm_dist.tasks.weight_transfer import (
+    ConsumerSpec,
+    StateDictSource,
+    TransferConfig,
+    WeightSource,
+    WeightTransferTask,
+    stage_names,
 )
 
 
@@ -34,9 +39,9 @@ class LlamaTransferTask(WeightTransferTask):
     """Producers hold a Llama (all of it, or a pipeline stage each with ``stages=True``);
     consumers are TP-``tp_size`` ranks of ``C / tp_size`` replicas and verify every sync.
 
-    Task keywords: ``shapes`` (HF name -> (shape, dtype), see ``llama_shapes``; computed in the
-    parent so workers need not import transformers), ``model_config`` (LlamaConfig overrides;
-    with ``hf_module=True`` producers build the real ``LlamaForCausalLM``), ``seed``,
+    Task keywords: ``shapes`` (HF name -> (shape, dtype), see ``tiny_llama_shapes``: no
+    transformers needed), ``model_config`` (LlamaConfig overrides; with ``hf_module=True``
+    producers build the real ``LlamaForCausalLM``, which needs transformers), ``seed``,
     ``tp_size``, ``stages``, ``flat`` (producers keep the weights in one flat buffer:
     ``allocate``), ``verify``.
     """
@@ -79,7 +84,7 @@ class LlamaTransferTask(WeightTransferTask):
         **_: Any,
     ) -> ConsumerSpec:
         if shapes is None:
-            shapes = llama_shapes(tiny_llama_config(**(model_config or {})))
+            shapes = tiny_llama_shapes(**(model_config or {}))
         self._shapes = shapes
         params, routes = llama_tp_layout(shapes, consumer_idx % tp_size, tp_size, self.device)
         self._routes = routes
@@ -160,7 +165,7 @@ def run_demo(
         config=config,
         tp_size=tp_size,
         stages=stages,
-        shapes=llama_shapes(tiny_llama_config(**(model_config or {}))),
+        shapes=tiny_llama_shapes(**(model_config or {})),
     )
     return summarize(results, wall_seconds=time.perf_counter() - start)
 
