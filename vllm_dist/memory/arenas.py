@@ -344,6 +344,7 @@ def _repoint(
 
 
 def _shm_room() -> int:
+    """Free bytes in ``/dev/shm`` (0 where there is none)."""
     try:
         st = os.statvfs("/dev/shm")
     except OSError:
