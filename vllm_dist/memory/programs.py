@@ -23,27 +23,35 @@ GRAPH_BRANCHES = 8  # side-by-side branches of a CopyProgram's CUDA graph
 _P = TypeVar("_P", bound="CopyProgram")
 
 
+# One graph capture at a time in a process, whichever pool's streams it uses: a capture in
+# torch's default (global) mode fails when another thread captures or allocates meanwhile.
+# A rule of CUDA, not bookkeeping, so it is the one lock every pool shares.
+_CAPTURE_LOCK = threading.Lock()
+
+
 class StreamPool:
     """The streams CUDA graph captures run on, per device: one capture stream and ``branches``
     branch streams, made once (taking them from torch's process-wide pool at each capture
-    would walk through it), and a lock so that one capture at a time uses them."""
+    would walk through it). Captures hold the process's capture lock."""
 
     def __init__(self, branches: int = GRAPH_BRANCHES) -> None:
         if branches < 1:
             raise ValueError(f"a StreamPool needs at least one branch, got {branches}")
         self.branches = branches
         self._streams: dict[torch.device, list[torch.cuda.Stream]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards ``_streams``
 
     @contextlib.contextmanager
     def capturing(self, device: torch.device) -> Iterator[list[torch.cuda.Stream]]:
         """Hold the pool for one capture on ``device``: yields its capture stream followed by
         its branch streams (made at the first capture on ``device``)."""
-        with self._lock:
-            streams = self._streams.get(device)
-            if streams is None:
-                count = 1 + self.branches
-                streams = self._streams[device] = [torch.cuda.Stream(device) for _ in range(count)]
+        with _CAPTURE_LOCK:
+            with self._lock:
+                streams = self._streams.get(device)
+                if streams is None:
+                    count = 1 + self.branches
+                    made = [torch.cuda.Stream(device) for _ in range(count)]
+                    streams = self._streams[device] = made
             yield streams
 
     def devices(self) -> list[torch.device]:

@@ -65,6 +65,7 @@ from vllm_dist.implementations.communicators.nixl.transfers import (
 )
 from vllm_dist.implementations.communicators.nixl.transport import Transport
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoordinator
+from vllm_dist.memory import StreamPool
 
 LocalPieces = Sequence[tuple[torch.Tensor, int, int]]  # (local view, remote offset, nbytes)
 
@@ -123,6 +124,8 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._tp = Transport(
             self._slot, self._opts, self._device, self._cache, self._peers, self._maps
         )
+        # the streams its prepared copies record CUDA graphs on; None: no graphs
+        self._streams = StreamPool() if self._opts.cuda_graphs else None
         self._send_seq: defaultdict[int, itertools.count[int]] = defaultdict(itertools.count)
         self._recv_seq: defaultdict[int, itertools.count[int]] = defaultdict(itertools.count)
         self._peers.connect(coordinator, self._name)
@@ -447,8 +450,8 @@ class NixlRdtCommunicator(DeviceCommunicator):
             copies = self._planner.gather("READ", peer, _where(byte_reqs, on_map), maps=True)[1]
             s_copies = self._planner.strided(peer, _where(strided, s_on_map), maps=True)[1]
             assert copies is not None and s_copies is not None  # every buffer is mapped
-            graphs = self._opts.cuda_graphs
-            sets.append(PreparedCopies(self._tp, peer, [*copies, *s_copies], graphs=graphs))
+            pairs = [*copies, *s_copies]
+            sets.append(PreparedCopies(self._tp, peer, pairs, streams=self._streams))
         if not (all(on_map) and all(s_on_map)) or not sets:
             off_map = [not m for m in on_map]
             pieces = self._planner.gather("READ", peer, _where(byte_reqs, off_map), maps=False)[0]
@@ -466,7 +469,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         copies = [p for p in sets if isinstance(p, PreparedCopies) and p.peer == peer]
         if not copies or len(copies) != len(sets):
             return None
-        return PreparedCopies.merged(self._tp, peer, copies, graphs=self._opts.cuda_graphs)
+        return PreparedCopies.merged(self._tp, peer, copies, streams=self._streams)
 
     # -- notifications -----------------------------------------------------------------------
     def notify(self, peer: int, message: bytes) -> None:

@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_dist.implementations.communicators.common import check_tensor, widest_views
+from vllm_dist.implementations.communicators.common import check_tensor
 from vllm_dist.implementations.communicators.nixl.agent import Peers, RegistrationCache
 from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
 from vllm_dist.implementations.communicators.nixl.mapping import PeerMaps
 from vllm_dist.implementations.communicators.nixl.transfers import Piece
+from vllm_dist.memory import widest_views
 
 MAX_PREPARED = 1 << 16  # copy views kept for reuse (a weight sync repeats its reads)
 MAX_RUNS = 1 << 20  # descriptors one strided read may take through NIXL

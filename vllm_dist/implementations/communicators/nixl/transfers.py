@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vllm_dist.implementations.communicators.common import CopyProgram
 from vllm_dist.implementations.communicators.nixl.agent import (
     NixlTimeoutError,
     NixlTransferError,
@@ -23,6 +22,7 @@ from vllm_dist.implementations.communicators.nixl.agent import (
     mem_type,
     nixl_errors,
 )
+from vllm_dist.memory import CopyProgram, StreamPool
 
 if TYPE_CHECKING:
     from nixl._api import nixl_xfer_handle
@@ -218,21 +218,26 @@ class PreparedCopies(PreparedReads):
         peer: int,
         copies: list[tuple[torch.Tensor, torch.Tensor, int]],
         *,
-        graphs: bool,
+        streams: StreamPool | None,
     ) -> None:
         what = f"prepared READ of rank {peer}'s buffers {transport.maps.via}"
         super().__init__(transport, peer, what)
         pairs = [(d, s) for d, s, n in copies if n]  # byte views are sliced to n already
-        self._program = CopyProgram([d for d, _ in pairs], [s for _, s in pairs], graph=graphs)
+        self._program = CopyProgram([d for d, _ in pairs], [s for _, s in pairs], streams=streams)
 
     @classmethod
     def merged(
-        cls, transport: Transport, peer: int, sets: list[PreparedCopies], *, graphs: bool
+        cls,
+        transport: Transport,
+        peer: int,
+        sets: list[PreparedCopies],
+        *,
+        streams: StreamPool | None,
     ) -> PreparedCopies:
         """One set of what ``sets`` copy, planned by none (``CopyProgram.merged``)."""
         self = cls.__new__(cls)
         PreparedReads.__init__(self, transport, peer, sets[0]._what)
-        self._program = CopyProgram.merged([p._program for p in sets], graph=graphs)
+        self._program = CopyProgram.merged([p._program for p in sets], streams=streams)
         return self
 
     def _post(self) -> NixlTransfer:
