@@ -50,10 +50,8 @@ from vllm_dist.examples.llama_tp import (  # noqa: E402
     tensor_digest,
 )
 from vllm_dist.examples.weight_sync_demo import allocate  # noqa: E402
-from vllm_dist.implementations.communicators.common import (  # noqa: E402
-    shared_empty,
-    shared_gpu_nccl_env,
-)
+from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env  # noqa: E402
+from vllm_dist.memory import shared_empty  # noqa: E402
 from vllm_dist.serialization import register_by_value  # noqa: E402
 from vllm_dist.tasks.weight_transfer import (  # noqa: E402
     ConsumerSpec,

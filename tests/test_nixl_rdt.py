@@ -26,8 +26,8 @@ from vllm_dist import (
     GlobalCoordinatorDistributedTask,
     MPLauncher,
 )
-from vllm_dist.implementations.communicators.common import shared_empty
 from vllm_dist.interfaces import LaunchError, UnsupportedOperationError
+from vllm_dist.memory import shared_empty
 
 pytest.importorskip("nixl", reason="needs the nixl package (pip install 'vllm_dist[nixl]')")
 

@@ -24,7 +24,7 @@ from vllm_dist.examples.llama_tp import (
     tiny_llama_config,
     tiny_llama_shapes,
 )
-from vllm_dist.implementations.communicators.common import shared_empty
+from vllm_dist.memory import shared_empty
 from vllm_dist.tasks.weight_transfer import (
     ConsumerSpec,
     StateDictSource,
