@@ -72,7 +72,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from vllm_dist.implementations.communicators.common import (
+from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
+from vllm_dist.tasks.weight_transfer._memory import (
     DEVICE_ARENA_BYTES,
     CopyProgram,
     arena_range,
@@ -82,7 +83,20 @@ from vllm_dist.implementations.communicators.common import (
     shared_arena,
     shared_empty,
 )
-from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
+from vllm_dist.tasks.weight_transfer.config import (
+    ANNOUNCE_BYTES,
+    BATCHES_IN_FLIGHT,
+    FIRST_ANNOUNCE_BYTES,
+    MAX_PINNED,
+    RECV_AHEAD,
+    STRIDED_DIRECT_BYTES,
+    Fleet,
+    Route,
+    SyncStats,
+    TransferConfig,
+    UnservedNameError,
+    WeightTransferSetupError,
+)
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.onesided import (
     SPREAD,
@@ -138,180 +152,6 @@ from vllm_dist.tasks.weight_transfer.ring import (
 )
 from vllm_dist.tasks.weight_transfer.source import WeightSource, dtype_from_str
 from vllm_dist.tasks.weight_transfer.views import ViewCache, slot_views
-
-Route = Callable[[str], Iterable[tuple[str, Loader]]]
-"""``route(hf_name)`` -> the (destination parameter name, loader) pairs that take that weight."""
-
-
-class UnservedNameError(ValueError):
-    """A consumer asked a producer for a weight that producer does not hold or serve."""
-
-
-class WeightTransferSetupError(RuntimeError):
-    """Set-up failed on another rank of the fleet; the message carries that rank's reason."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TransferConfig:
-    """Settings of one weight-transfer deployment (producers and consumers must agree).
-
-    Args:
-        ring_slots: K, the serve-ring slots per (producer, consumer) pair.
-        align: byte alignment of every packed item.
-        max_chunk_bytes: a gather group's items are split into chunks of at most this size.
-        stall_timeout: seconds any wait on a peer may take before ``TransferStallError``.
-        workers_per_replica: consumers per inference replica (0 = one replica).
-        presize_bytes: serve buffers are at least this large (``buffer_alloc_bytes``).
-        direct_bytes: items this large travel alone, straight from the source view and into
-            the destination view where those are contiguous (no pack / unpack copy).
-        announce_bytes: READ path. 0: producers tell consumers what is ready at every gather
-            group (consumers start early; a group is released as soon as it is read). N > 0:
-            announcements double in size (16 MiB, then as many bytes as were announced
-            before) up to N bytes or an eighth of the pair's bytes per sync (and go out
-            before any wait, and at the end), so a whole sync is about a dozen
-            announcements, batched reads and replies, consumers start reading after the
-            first 16 MiB, and little is left to read once the producer is through. Use N with
-            ``ring_slots`` deep enough to hold a sync's packed chunks when round trips are
-            dear: on one GPU shared by several processes each costs a GPU time slice (about
-            1 ms measured on an H200).
-        transport: ``"auto"`` (one-sided READ where the communicator offers it, else
-            send/recv), ``"read"`` (refuse a communicator without READ) or ``"send_recv"``.
-        strided_reads: READ path. Consumers read non-contiguous source views (row-parallel
-            slices) in place, straight into their parameters, instead of producers packing
-            them (see ``onesided.py``). None (auto): where the consumer's communicator maps its
-            peers' memory (CUDA IPC on one node). True: also through NIXL, one descriptor per
-            contiguous run (a weight row). False: never.
-        mapped_unpack: READ path with strided reads, where the consumer maps the producer's
-            ring (CUDA IPC on one node). Each packed item is copied straight from the
-            producer's ring slot into its parameter, through the consumer's own re-layout: one
-            copy where a read into a staging slot and an unpack were two (on one GPU, a sync
-            of many small weights makes three passes over the bytes: pack, read, unpack; this
-            leaves two). False: read into staging, then unpack.
-        share_cpu_weights: READ path on the CPU, producer side. Where a consumer maps its
-            producers' memory (``NixlOptions.shared_memory``), the producer moves its
-            source's DRAM storages into shared memory once, at set-up, before anything is
-            planned (``share_storages``: in place, the trainer's tensors keep their values
-            and identity, as ``torch.multiprocessing`` does to a CPU tensor it sends), so
-            consumers copy the weights straight from the trainer's memory: nothing is packed,
-            and chunks of many small weights (100,000 experts in tensors of their own) are
-            read in place too, all of them lying in one arena. Tensors the trainer puts in
-            new storage later are read through NIXL again, and a consumer admitted after
-            set-up moves nothing. False: leave the trainer's memory alone.
-        share_gpu_weights: the same on CUDA, where consumers map the producer's VRAM (CUDA
-            IPC): the storages of the weights that travel in chunks of several (the ones below
-            ``direct_bytes``; larger ones are read in place one by one) move into arenas of
-            up to 256 MiB
-            (``gather_device_storages``), so consumers copy their shards of 100,000 expert
-            weights straight from a few mappings, with strided copies that span many weights.
-            On one GPU shared by the processes, the pack it spares was a second pass over
-            every byte, serialized with the consumers' copies. The trainer's data pointers
-            taken before set-up go stale (a CUDA graph recorded over its weights). False:
-            leave the trainer's memory alone (small weights are packed every sync).
-        gather_cpu_params: consumer side, CPU. At set-up, the consumer moves the storages of
-            its parameters that receive items travelling in chunks of several (each such
-            parameter a storage of its own: 100,000 expert weights in tensors of their own)
-            into private arenas of up to 256 MiB, in place, in the order the chunks take them
-            (``gather_device_storages``). Each sync's copies into them then step evenly on
-            both sides and run as a few strided copies, where they were an indexed copy per
-            run of pairs (measured on the 2-core CPU: a consumer's shards of 33,000 expert
-            weights, 2 KiB each, 19 ms instead of 25 ms for row halves and 24 ms instead of
-            44 ms for column halves). Every view of a moved parameter follows it (torch's
-            storage swap; on builds without one nothing moves); data pointers taken before
-            set-up go stale, and each old block is freed as its parameter moves, so the
-            engine must not run its model while ``setup()`` or ``join()`` does (at most one
-            arena's bytes are held twice at a time). Not on CUDA, where an engine's recorded CUDA
-            graphs hold its weights' addresses. False: leave the engine's memory alone.
-        replay: READ path, producers with a resident source. A sync in which every tensor is
-            where it was last sync runs as a replay of that sync: one message per consumer, no
-            per-chunk work (module docstring, "Steady state"). False: every sync chunk by
-            chunk.
-        push_threads: push path. True: a sender thread per consumer and a receiver thread per
-            producer, so a blocking send holds up only its pair (gloo). False: every rank
-            issues its sends or receives from its own thread, one after another in the
-            fleet-wide order — what NCCL needs: its communicators are not thread-safe, and a
-            send or recv blocks its stream until the peer's matching call, so two threads
-            feeding one stream in changing order can deadlock. None (auto): False on CUDA
-            (stream-ordered sends), True elsewhere.
-    """
-
-    ring_slots: int = 2
-    align: int = 256
-    max_chunk_bytes: int = 64 << 20
-    stall_timeout: float = 60.0
-    workers_per_replica: int = 0
-    presize_bytes: int = 0
-    direct_bytes: int = 1 << 20
-    announce_bytes: int = 0
-    transport: str = "auto"
-    strided_reads: bool | None = None
-    mapped_unpack: bool = True
-    share_cpu_weights: bool = True
-    share_gpu_weights: bool = True
-    gather_cpu_params: bool = True
-    replay: bool = True
-    push_threads: bool | None = None
-
-    def __post_init__(self) -> None:
-        self.layout()  # validates the layout fields
-        if self.transport not in ("auto", "read", "send_recv"):
-            raise ValueError(
-                f"transport must be 'auto', 'read' or 'send_recv', got {self.transport!r}"
-            )
-        if self.stall_timeout <= 0:
-            raise ValueError(f"stall_timeout must be positive, got {self.stall_timeout}")
-        if self.workers_per_replica < 0 or self.presize_bytes < 0 or self.announce_bytes < 0:
-            raise ValueError("workers_per_replica, presize_bytes and announce_bytes must be >= 0")
-
-    def layout(self) -> LayoutConfig:
-        return LayoutConfig(
-            align=self.align,
-            max_chunk_bytes=self.max_chunk_bytes,
-            ring_slots=self.ring_slots,
-            direct_bytes=self.direct_bytes,
-        )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Fleet:
-    """Which ranks of the coordinator's group are producers and which are consumers."""
-
-    producer_ranks: tuple[int, ...]
-    consumer_ranks: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        ranks = [*self.producer_ranks, *self.consumer_ranks]
-        if not self.producer_ranks or not self.consumer_ranks or len(set(ranks)) != len(ranks):
-            raise ValueError(f"a fleet needs distinct producer and consumer ranks, got {self}")
-
-    @classmethod
-    def split(cls, num_producers: int, num_consumers: int) -> Fleet:
-        """Ranks ``[0, P)`` produce, ``[P, P + C)`` consume."""
-        return cls(
-            producer_ranks=tuple(range(num_producers)),
-            consumer_ranks=tuple(range(num_producers, num_producers + num_consumers)),
-        )
-
-
-@dataclass(kw_only=True)
-class SyncStats:
-    """One sync as seen by one rank."""
-
-    seconds: float
-    bytes: int
-    chunks: int
-    path: str
-    packed: int = 0  # chunks that went through a pack copy (producer) or an unpack (consumer)
-    replayed: bool = False  # READ path: the whole sync ran as the previous one (steady state)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "seconds": self.seconds,
-            "bytes": self.bytes,
-            "chunks": self.chunks,
-            "path": self.path,
-            "packed": self.packed,
-            "replayed": self.replayed,
-        }
 
 
 @dataclass(kw_only=True)
@@ -1194,10 +1034,10 @@ class WeightProducer(_Engine):
         # announcements double in size up to the limit, and to an eighth of what the pair
         # moves per sync: the consumer starts on the first few MiB, a sync takes a dozen
         # messages, and what is left to read after the last one is small
-        limit = self.config.announce_bytes or _ANNOUNCE_BYTES
-        limit = min(limit, max(_FIRST_ANNOUNCE_BYTES, pair.sync_bytes // 8))
+        limit = self.config.announce_bytes or ANNOUNCE_BYTES
+        limit = min(limit, max(FIRST_ANNOUNCE_BYTES, pair.sync_bytes // 8))
         if pair.outbox_bytes >= min(
-            limit, max(_FIRST_ANNOUNCE_BYTES, pair.announced)
+            limit, max(FIRST_ANNOUNCE_BYTES, pair.announced)
         ) or pair.outbox_packed >= max(1, pair.ring.slots // 2):
             self._announce(pair)  # let the consumer read half the ring while we pack the rest
 
@@ -1650,24 +1490,14 @@ class _PackPlan:
     mapping: Mapping[str, torch.Tensor] | None = None  # the group ``srcs`` were taken from
 
 
-_MAX_PINNED = 1024  # destination storages a consumer registers up front on the READ path
-_BATCHES_IN_FLIGHT = 4  # batched reads a consumer keeps posted at once on the READ path
-_ANNOUNCE_BYTES = 256 << 20  # a producer announces at least this often within a long group
-_FIRST_ANNOUNCE_BYTES = 16 << 20  # the first announcement of a sync, when batching by bytes
-_RECV_AHEAD = 8  # push path: receives a consumer keeps posted per producer (``irecv``)
-
-
-_STRIDED_DIRECT_BYTES = 8 << 10  # with strided reads, items this large are read in place
-
-
 def _pair_layout(layout: LayoutConfig, strided: bool) -> LayoutConfig:
     """The layout of a pair: with strided reads every item of at least 8 KiB (a norm of a
     hidden-4096 model) is a chunk of its own, read in place, so producers pack and
     synchronize their device for nothing but tiny items (below that, per-chunk bookkeeping of
     about 10 µs a side costs more than packing)."""
-    if not strided or layout.direct_bytes <= _STRIDED_DIRECT_BYTES:
+    if not strided or layout.direct_bytes <= STRIDED_DIRECT_BYTES:
         return layout
-    return replace(layout, direct_bytes=_STRIDED_DIRECT_BYTES)
+    return replace(layout, direct_bytes=STRIDED_DIRECT_BYTES)
 
 
 def _storage_address(tensor: torch.Tensor) -> int | None:
@@ -2080,7 +1910,7 @@ class WeightConsumer(_Engine):
             self._expose(pair.ring.buffer, f"wt-stage-c{self.consumer_id}-p{p}")
         pinned: set[int] = set()
         for i, direct in enumerate(self._direct):
-            if len(pinned) >= _MAX_PINNED:
+            if len(pinned) >= MAX_PINNED:
                 break
             if direct is None and not (self._strided and len(self.chunks[i].items) == 1):
                 continue  # strided reads may land in place: their copies are cached if pinned
@@ -2304,12 +2134,12 @@ class WeightConsumer(_Engine):
     ) -> None:
         """Receive one producer's chunks in order, unpacking each staged one straight after it
         lands, on this (the pair's receiver) thread: no recv waits for another thread to wake
-        up and unpack. A communicator with ``irecv`` gets up to ``_RECV_AHEAD`` receives posted
+        up and unpack. A communicator with ``irecv`` gets up to ``RECV_AHEAD`` receives posted
         ahead (a staged chunk once the one before it left the pair's staging slot), so the
         producer's sends never wait for a receive to be posted."""
         comm, peer, timeout = self.communicator, pair.peer_rank, self.config.stall_timeout
         irecv = getattr(comm, "irecv", None)
-        ahead = _RECV_AHEAD if irecv is not None else 1
+        ahead = RECV_AHEAD if irecv is not None else 1
         posted: deque[tuple[int, Any]] = deque()
         staged = 0  # staged chunks among the posted ones (at most one: one staging slot)
 
@@ -2351,7 +2181,7 @@ class WeightConsumer(_Engine):
 
     def _receive_read(self) -> None:
         """Pull every announced chunk in one batched read per producer, up to
-        ``_BATCHES_IN_FLIGHT`` batches at once; complete batches in plan order (one unpack
+        ``BATCHES_IN_FLIGHT`` batches at once; complete batches in plan order (one unpack
         launch, then 'done up to seq' per producer).
 
         Messages are taken in plan order whatever they say, as on a sync read chunk by chunk:
@@ -2377,7 +2207,7 @@ class WeightConsumer(_Engine):
             self._keep_alive()
             batch: list[int] = []
             announcements: list[Any] = []
-            while nxt < n and len(flight) < _BATCHES_IN_FLIGHT:
+            while nxt < n and len(flight) < BATCHES_IN_FLIGHT:
                 chunk = self.chunks[nxt]
                 if chunk.producer in self._replayed_from:
                     nxt += 1  # read as a whole
