@@ -7,6 +7,7 @@ K-slot serve rings and moves them through the communicator (one-sided reads wher
 send/recv otherwise).
 """
 
+from vllm_dist.interfaces.dataplane import OneSidedCommunicator, ReadHandle
 from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
     Route,
@@ -18,7 +19,6 @@ from vllm_dist.tasks.weight_transfer.config import (
 from vllm_dist.tasks.weight_transfer.engine import WeightConsumer, WeightProducer
 from vllm_dist.tasks.weight_transfer.groups import layer_index, layerwise_groups
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
-from vllm_dist.tasks.weight_transfer.onesided import OneSidedCommunicator, ReadHandle
 from vllm_dist.tasks.weight_transfer.ops import (
     ALLOWED_OPS,
     BakeError,

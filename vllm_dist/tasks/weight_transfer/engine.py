@@ -73,6 +73,14 @@ import numpy as np
 import torch
 
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
+from vllm_dist.interfaces.dataplane import (
+    AsyncSendRecvCommunicator,
+    ExposedDescriptor,
+    OneSidedCommunicator,
+    PreparedReadCommunicator,
+    PreparedReadSet,
+    StridedReadCommunicator,
+)
 from vllm_dist.tasks.weight_transfer._memory import (
     DEVICE_ARENA_BYTES,
     CopyProgram,
@@ -100,8 +108,6 @@ from vllm_dist.tasks.weight_transfer.config import (
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.onesided import (
     SPREAD,
-    OneSidedCommunicator,
-    StridedReadCommunicator,
     alive_message,
     alive_sync,
     device_synchronize,
@@ -301,7 +307,14 @@ class _Engine:
         self._pairs: dict[int, _Pair] = {}
         self._shapes = _ShapeCache()
         self._views = ViewCache()
-        self._read = _uses_read(communicator, config.transport)
+        one_sided = _one_sided(communicator, config.transport)
+        self._read = one_sided is not None
+        self._one: OneSidedCommunicator  # the READ path's communicator (set on that path only)
+        if one_sided is not None:
+            self._one = one_sided
+        self._async: AsyncSendRecvCommunicator | None = (
+            communicator if isinstance(communicator, AsyncSendRecvCommunicator) else None
+        )
         threads = config.push_threads
         if threads is None:
             threads = communicator.device.type != "cuda"
@@ -334,7 +347,7 @@ class _Engine:
         return spent
 
     def _expose(self, tensor: torch.Tensor, name: str) -> None:
-        self.communicator.expose(tensor, name)  # type: ignore[attr-defined]
+        self._one.expose(tensor, name)
         self._exposed.append(name)
 
     def _index(self, facts: ProducerFacts | None) -> ModelIndex:
@@ -349,7 +362,7 @@ class _Engine:
         return self.index
 
     def _unexpose(self, name: str) -> None:
-        self.communicator.unexpose(name)  # type: ignore[attr-defined]
+        self._one.unexpose(name)
         self._exposed.remove(name)
 
     def close(self) -> None:
@@ -359,15 +372,14 @@ class _Engine:
             if pair.replay is not None:
                 pair.replay.close()
         self._pairs = {}
-        unexpose = getattr(self.communicator, "unexpose", None)
-        if unexpose is not None:
-            for name in self._exposed:
-                unexpose(name)
+        for name in self._exposed:
+            self._one.unexpose(name)
         self._exposed = []
 
 
-def _uses_read(communicator: DeviceCommunicator, transport: str) -> bool:
-    """Whether this communicator gets the one-sided READ path under ``transport``."""
+def _one_sided(communicator: DeviceCommunicator, transport: str) -> OneSidedCommunicator | None:
+    """The communicator as the one-sided READ path uses it under ``transport``, or None when
+    it gets the send/recv path."""
     has_read = CommOp.READ in communicator.supported_ops and isinstance(
         communicator, OneSidedCommunicator
     )
@@ -377,7 +389,10 @@ def _uses_read(communicator: DeviceCommunicator, transport: str) -> bool:
             f"(CommOp.READ and the OneSidedCommunicator API); {type(communicator).__name__} has "
             "none: use transport='auto' or a communicator such as NIXL_RDT"
         )
-    return has_read and transport != "send_recv"
+    if not has_read or transport == "send_recv":
+        return None
+    assert isinstance(communicator, OneSidedCommunicator)
+    return communicator
 
 
 class WeightProducer(_Engine):
@@ -408,7 +423,9 @@ class WeightProducer(_Engine):
         self.source = source
         self.shared_bytes = 0  # share_cpu_weights: source bytes moved into shared memory
         self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
-        self._source_names: dict[tuple[int, int], tuple[str, Any]] = {}  # exposed sources
+        self._source_names: dict[
+            tuple[int, int], tuple[str, ExposedDescriptor]
+        ] = {}  # exposed sources
         self._generation = 0  # serve rings exposed by ``admit``
         self._dirty = False  # READ path: device work queued since the last synchronization
         # READ path: the packs queued since the last announcement (``_program``'s launches)
@@ -516,7 +533,7 @@ class WeightProducer(_Engine):
         for cid, pair in self._pairs.items():
             if pair.ring is not None:
                 self._expose(pair.ring.buffer, ring_name(self.producer_id, cid))
-        self.communicator.exchange_exposed()  # type: ignore[attr-defined]
+        self._one.exchange_exposed()
 
     @_gc_paused
     def admit(self, consumer_id: int) -> None:
@@ -560,7 +577,7 @@ class WeightProducer(_Engine):
         if self._read and pair.ring is not None:
             self._generation += 1
             name = f"{ring_name(self.producer_id, consumer_id)}-g{self._generation}"
-            desc = self.communicator.expose(pair.ring.buffer, name)  # type: ignore[attr-defined]
+            desc = self._one.expose(pair.ring.buffer, name)
             self._exposed.append(name)
             pair.remote_name = name
             self.coordinator.send_object(desc, crank)
@@ -752,9 +769,7 @@ class WeightProducer(_Engine):
         if self.trace is not None:
             self.trace.clear()
         self._mark("sync")
-        begin = getattr(self.source, "begin_sync", None)
-        if begin is not None:
-            begin()
+        self.source.begin_sync()
         self._syncs += 1
         self._packed = 0
         barrier = FreeBarrier(self._group_counts)
@@ -831,7 +846,7 @@ class WeightProducer(_Engine):
 
     @property
     def _resident(self) -> bool:
-        return bool(getattr(self.source, "resident", False))
+        return self.source.resident
 
     def _replayable(self) -> bool:
         """READ path: whether every pair's last sync was recorded and the source is resident
@@ -981,7 +996,7 @@ class WeightProducer(_Engine):
                 direct = pair.ring.acquire(chunk.seq, chunk.nbytes, 0.0, "")  # nothing in flight
                 self._packer(direct, pair, chunk, tensors)()
             what = f"producer {self.producer_id} -> consumer {cid} (chunk {chunk.seq})"
-            _transfer(self.communicator, "send", direct, pair.peer_rank, self.config, what)
+            _send(self.communicator, self._async, direct, pair.peer_rank, self.config, what)
             self._queued_mark(cid)
             barrier.arrive(chunk.group)
             return
@@ -1064,7 +1079,7 @@ class WeightProducer(_Engine):
         """Notify ``pair``'s consumer; a failure (the consumer is gone: NIXL reports the
         disconnect) names the consumer and what it was being told."""
         try:
-            self.communicator.notify(pair.peer_rank, message)  # type: ignore[attr-defined]
+            self._one.notify(pair.peer_rank, message)
         except Exception as exc:
             cid = next(c for c, p in self._pairs.items() if p is pair)
             raise RuntimeError(
@@ -1132,7 +1147,7 @@ class WeightProducer(_Engine):
         """Whether the exposed storage of ``view`` can be mapped by a same-node peer (a DRAM
         storage can stay out of shared memory: ``NixlOptions.shared_memory``)."""
         _, desc = self._source_names[_home(view)]
-        return getattr(desc, "mapping", None) is not None
+        return desc.mapping is not None
 
     def _exposed_storage(self, pair: _Pair, view: torch.Tensor) -> tuple[str, Any] | None:
         """(exposed name, descriptor the first time this consumer hears of it, else None) of
@@ -1146,7 +1161,7 @@ class WeightProducer(_Engine):
         if known is None:
             arena = shared_arena(storage.data_ptr())
             fresh = key not in self._seen_sources[0] and arena is None
-            if fresh and not getattr(self.source, "in_place", False):
+            if fresh and not self.source.in_place:
                 self._seen_sources[1].add(key)
                 if pair.replay is not None:
                     pair.replay.ok = False  # read in place next sync: not a state to repeat
@@ -1156,7 +1171,7 @@ class WeightProducer(_Engine):
             if whole is None:
                 whole = torch.empty(0, dtype=torch.uint8, device=view.device)
                 whole.set_(storage, 0, (key[1],), (1,))
-            desc = self.communicator.expose(whole, name)  # type: ignore[attr-defined]
+            desc = self._one.expose(whole, name)
             self._exposed.append(name)
             known = self._source_names[key] = (name, desc)
         name, desc = known
@@ -1252,7 +1267,9 @@ class WeightProducer(_Engine):
             try:
                 if device.type == "cuda":
                     receipt = pair.receipt_buffer(device)
-                    _transfer(self.communicator, "recv", receipt, pair.peer_rank, self.config, what)
+                    _recv(
+                        self.communicator, self._async, receipt, pair.peer_rank, self.config, what
+                    )
                     self._queued_mark(cid)
                     waiting.append((cid, pair))
                 else:
@@ -1293,7 +1310,7 @@ class WeightProducer(_Engine):
         that timed out stays posted (gloo cannot take it back) and is waited on next time, so it
         never swallows a later receipt; receipts of syncs this producer gave up on are skipped."""
         comm, device = self.communicator, self.communicator.device
-        post = getattr(comm, "irecv", None)
+        post = None if self._async is None else self._async.irecv
         while True:
             posted = self._receipts_posted.pop(cid, None)
             if posted is None:
@@ -1374,6 +1391,7 @@ class WeightProducer(_Engine):
         then the send, bounded by the stall timeout. After a failed chunk the pair's later
         ones of the sync are not sent (the consumer would take them for the missing one)."""
         comm, peer, failed, config = self.communicator, pair.peer_rank, pair.failed, self.config
+        asynchronous = self._async
         what = f"producer {self.producer_id} -> consumer {cid} (chunk {chunk.seq})"
 
         def send() -> None:
@@ -1382,7 +1400,7 @@ class WeightProducer(_Engine):
             try:
                 if pack is not None:
                     pack()
-                _transfer(comm, "send", tensor, peer, config, what)
+                _send(comm, asynchronous, tensor, peer, config, what)
             except Exception as exc:
                 if not failed.is_set():
                     pair.error = pair.error or exc  # the cause, not a later skipped chunk
@@ -1624,27 +1642,32 @@ class _Reposter:
 
     def __init__(
         self,
-        comm: Any,
+        one_sided: OneSidedCommunicator,
+        strided_comm: StridedReadCommunicator | None,
         peer: int,
         plain: list[tuple[str, int, torch.Tensor]],
         strided: list[tuple[str, int, Any, torch.Tensor]],
     ) -> None:
-        self._comm, self._peer, self._plain, self._strided = comm, peer, plain, strided
+        self._one, self._strided_comm, self._peer = one_sided, strided_comm, peer
+        self._plain, self._strided = plain, strided
 
     def post(self) -> list[Any]:
         handles = []
         if self._plain:
-            handles.append(self._comm.read_batch_async(self._peer, self._plain))
+            handles.append(self._one.read_batch_async(self._peer, self._plain))
         if self._strided:
-            handles.append(self._comm.read_strided_async(self._peer, self._strided))
+            assert self._strided_comm is not None  # strided reads come from strided routes
+            handles.append(self._strided_comm.read_strided_async(self._peer, self._strided))
         return handles
 
+    def close(self) -> None:
+        """Nothing to release."""
 
-def _close(prepared: Any) -> None:
-    """Release a prepared set of reads (a ``_Reposter`` holds nothing)."""
-    close = getattr(prepared, "close", None)
-    if close is not None:
-        close()
+
+def _close(prepared: PreparedReadSet | CopyProgram | None) -> None:
+    """Release a prepared set of reads or a copy program, if any."""
+    if prepared is not None:
+        prepared.close()
 
 
 def _reworded(error: Exception, msg: str) -> Exception:
@@ -1662,23 +1685,37 @@ def _arrival(barrier: FreeBarrier, g: int) -> Callable[[Any], None]:
     return lambda _future: barrier.arrive(g)
 
 
-def _transfer(
+def _send(
     comm: DeviceCommunicator,
-    verb: str,
+    asynchronous: AsyncSendRecvCommunicator | None,
     tensor: torch.Tensor,
     peer: int,
     config: TransferConfig,
     what: str,
 ) -> None:
-    """``comm.send`` / ``comm.recv``, bounded by the stall timeout where the communicator can
-    post the transfer (``isend`` / ``irecv``) and wait with a timeout. On CUDA the transfer is
-    only queued on the stream (a host wait per transfer would serialize them); the stall bound
-    there is the caller's ``wait_device`` at the end of the sync."""
-    post = getattr(comm, "i" + verb, None)
-    if post is None or tensor.device.type == "cuda":
-        getattr(comm, verb)(tensor, peer)
+    """``comm.send``, bounded by the stall timeout where the communicator can post it
+    (``isend``) and wait with a timeout. On CUDA the send is only queued on the stream (a host
+    wait per transfer would serialize them); the stall bound there is the caller's
+    ``wait_device`` at the end of the sync."""
+    if asynchronous is None or tensor.device.type == "cuda":
+        comm.send(tensor, peer)
     else:
-        wait_or_stall(post(tensor, peer), config.stall_timeout, what)
+        wait_or_stall(asynchronous.isend(tensor, peer), config.stall_timeout, what)
+
+
+def _recv(
+    comm: DeviceCommunicator,
+    asynchronous: AsyncSendRecvCommunicator | None,
+    tensor: torch.Tensor,
+    peer: int,
+    config: TransferConfig,
+    what: str,
+) -> None:
+    """``comm.recv``, bounded like ``_send``."""
+    if asynchronous is None or tensor.device.type == "cuda":
+        comm.recv(tensor, peer)
+    else:
+        wait_or_stall(asynchronous.irecv(tensor, peer), config.stall_timeout, what)
 
 
 class WeightConsumer(_Engine):
@@ -1720,7 +1757,8 @@ class WeightConsumer(_Engine):
         self.bake_seconds = 0.0
         self.gathered_bytes = 0  # gather_cpu_params: parameter bytes moved into an arena
         want = self.config.strided_reads
-        capable = self._read and isinstance(communicator, StridedReadCommunicator)
+        strided_comm = communicator if isinstance(communicator, StridedReadCommunicator) else None
+        capable = self._read and strided_comm is not None
         if want and not capable:
             raise ValueError(
                 "TransferConfig(strided_reads=True) needs the one-sided READ path with a "
@@ -1729,11 +1767,20 @@ class WeightConsumer(_Engine):
                 "strided_reads=None (auto) or use NIXL_RDT"
             )
         self._strided = capable and (
-            want is True or (want is None and bool(communicator.maps_peer_memory))  # type: ignore[attr-defined]
+            want is True
+            or (want is None and strided_comm is not None and strided_comm.maps_peer_memory)
         )
         self.layout = _pair_layout(self.layout, self._strided)
         # strided reads on a mapping of the producers' memory (a strided view costs its bytes)
-        self._maps = self._strided and bool(communicator.maps_peer_memory)  # type: ignore[attr-defined]
+        self._maps = (
+            self._strided and strided_comm is not None and bool(strided_comm.maps_peer_memory)
+        )
+        self._strided_comm: StridedReadCommunicator  # set where strided reads are used
+        if self._strided and strided_comm is not None:
+            self._strided_comm = strided_comm
+        self._preparer: PreparedReadCommunicator | None = (
+            communicator if isinstance(communicator, PreparedReadCommunicator) else None
+        )
         self._map_packs = self._strided and self.config.mapped_unpack
         # chunk index -> ((source, offset, strides) it was last read from, how): see ``_route``
         self._routes: dict[int, tuple[Any, tuple[str, int, Any, torch.Tensor, bool]]] = {}
@@ -1766,7 +1813,7 @@ class WeightConsumer(_Engine):
             self._send_plans(index, None, deferred=True)
             _gather_verdicts(self.coordinator, None)
             if self._read:
-                self.communicator.exchange_exposed()  # type: ignore[attr-defined]
+                self._one.exchange_exposed()
             self.setup_seconds = time.perf_counter() - start
             return
         error = self._prepare(index)
@@ -1820,7 +1867,7 @@ class WeightConsumer(_Engine):
         if self._read:
             for pair in self._pairs.values():
                 desc = self.coordinator.recv_object(pair.peer_rank)
-                self.communicator.import_exposed(desc)  # type: ignore[attr-defined]
+                self._one.import_exposed(desc)
                 pair.remote_name = desc.name
             self._pin_destinations()
         self._phase("rings")
@@ -1899,7 +1946,7 @@ class WeightConsumer(_Engine):
         Staging slots and the parameters that direct chunks land in are exposed (registered)
         once here, so no sync pays for registering memory; peers never learn of them.
         """
-        self.communicator.exchange_exposed()  # type: ignore[attr-defined]
+        self._one.exchange_exposed()
         for p, pair in self._pairs.items():
             pair.remote_name = ring_name(p, self.consumer_id)
         self._pin_destinations()
@@ -2091,7 +2138,7 @@ class WeightConsumer(_Engine):
                 what = (
                     f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
                 )
-                _transfer(self.communicator, "recv", target, peer, self.config, what)
+                _recv(self.communicator, self._async, target, peer, self.config, what)
                 if self._direct[j] is None:  # behind the recv: a blocking one, or on its stream
                     self._unpacker(j)()
             self._packed = sum(d is None for d in self._direct)
@@ -2127,7 +2174,7 @@ class WeightConsumer(_Engine):
             receipt = pair.receipt_buffer(device)
             receipt.fill_(self._syncs)
             what = f"consumer {self.consumer_id} -> producer {p} (receipt of sync {self._syncs})"
-            _transfer(self.communicator, "send", receipt, pair.peer_rank, self.config, what)
+            _send(self.communicator, self._async, receipt, pair.peer_rank, self.config, what)
 
     def _receive_from(
         self, pair: _Pair, chunks: list[int], done: list[Future[None]], failed: threading.Event
@@ -2138,7 +2185,7 @@ class WeightConsumer(_Engine):
         ahead (a staged chunk once the one before it left the pair's staging slot), so the
         producer's sends never wait for a receive to be posted."""
         comm, peer, timeout = self.communicator, pair.peer_rank, self.config.stall_timeout
-        irecv = getattr(comm, "irecv", None)
+        irecv = None if self._async is None else self._async.irecv
         ahead = RECV_AHEAD if irecv is not None else 1
         posted: deque[tuple[int, Any]] = deque()
         staged = 0  # staged chunks among the posted ones (at most one: one staging slot)
@@ -2267,16 +2314,15 @@ class WeightConsumer(_Engine):
     def _merged_reads(self, peer: int, rec: _Replay) -> Any:
         """The recorded reads as the chunks' own prepared sets merged (nothing planned again;
         ``merge_prepared``), where those sets are all of them; else None."""
-        merge = getattr(self.communicator, "merge_prepared", None)
-        if merge is None or rec.plain or not rec.sets or rec.gathered != len(rec.strided):
+        if self._preparer is None or rec.plain or not rec.sets or rec.gathered != len(rec.strided):
             return None
-        return merge(peer, rec.sets)
+        return self._preparer.merge_prepared(peer, rec.sets)
 
     def _prepare_reads(self, peer: int, rec: _Replay) -> Any:
-        prepare = getattr(self.communicator, "prepare_reads", None)
-        if prepare is not None:
-            return prepare(peer, rec.plain, rec.strided)
-        return _Reposter(self.communicator, peer, rec.plain, rec.strided)
+        if self._preparer is not None:
+            return self._preparer.prepare_reads(peer, rec.plain, rec.strided)
+        strided_comm = self._strided_comm if self._strided else None
+        return _Reposter(self._one, strided_comm, peer, rec.plain, rec.strided)
 
     def _finish_replays(self, *, block: bool) -> None:
         """Finish the replays whose reads have landed (every one when ``block``, waiting):
@@ -2322,7 +2368,7 @@ class WeightConsumer(_Engine):
         announced = parse_ready(msg, what)
         for ann in announced:
             if ann[5] is not None:  # a source exposed for us: addressable from now on
-                self.communicator.import_exposed(ann[5])  # type: ignore[attr-defined]
+                self._one.import_exposed(ann[5])
         inbox[p].extend(announced)
 
     def _announced(self, chunk: Chunk, inbox: dict[int, deque[Any]], *, block: bool) -> bool:
@@ -2360,7 +2406,7 @@ class WeightConsumer(_Engine):
                     break
                 try:
                     wait = min(left, stall / 4)
-                    return bytes(self.communicator.wait_notification(peer, wait))  # type: ignore[attr-defined]
+                    return bytes(self._one.wait_notification(peer, wait))
                 except TimeoutError:
                     self._keep_alive()
             left = deadline - time.monotonic()
@@ -2384,7 +2430,6 @@ class WeightConsumer(_Engine):
 
     def _pull(self, batch: list[int], announcements: list[Any]) -> list[Any]:
         """Start one read per producer over the batch's chunks; returns the handles."""
-        comm: Any = self.communicator
         by_producer: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
         strided: dict[int, list[tuple[str, int, Any, torch.Tensor]]] = {}
         handles: list[Any] = []
@@ -2418,11 +2463,11 @@ class WeightConsumer(_Engine):
             by_producer.setdefault(chunk.producer, []).append(request)
             rec.plain.append(request)
         handles += [
-            comm.read_batch_async(self._pairs[p].peer_rank, requests)
+            self._one.read_batch_async(self._pairs[p].peer_rank, requests)
             for p, requests in by_producer.items()
         ]
         handles += [
-            comm.read_strided_async(self._pairs[p].peer_rank, requests)
+            self._strided_comm.read_strided_async(self._pairs[p].peer_rank, requests)
             for p, requests in strided.items()
         ]
         return handles
@@ -2459,7 +2504,7 @@ class WeightConsumer(_Engine):
         offset = ann[2]
         view = None
         peer = self._pairs[chunk.producer].peer_rank
-        if self.communicator.maps_exposed(peer, source):  # type: ignore[attr-defined]
+        if self._strided_comm.maps_exposed(peer, source):
             view = self._param_view(i, wire_strides)
         if view is not None:
             route = (source, offset + view[0], view[1], self._dests[i], True)
@@ -2517,7 +2562,7 @@ class WeightConsumer(_Engine):
                 for i, off in zip(chunk.items, chunk.offsets, strict=True)
             ]
         routes: list[Any] | None = None
-        if self.communicator.maps_exposed(pair.peer_rank, source):  # type: ignore[attr-defined]
+        if self._strided_comm.maps_exposed(pair.peer_rank, source):
             routes = []
             for i, (off, strides) in zip(chunk.items, items, strict=True):
                 view = self._param_view(i, strides)
@@ -2587,7 +2632,7 @@ class WeightConsumer(_Engine):
     def _tell_done(self, p: int, seq: int) -> None:
         """'Done up to ``seq``' to producer ``p``."""
         message = done_message(self._syncs, seq)
-        self.communicator.notify(self._pairs[p].peer_rank, message)  # type: ignore[attr-defined]
+        self._one.notify(self._pairs[p].peer_rank, message)
         self._last_word[p] = time.monotonic()
         if self._owed.get(p) == seq:
             del self._owed[p]
@@ -2605,7 +2650,7 @@ class WeightConsumer(_Engine):
         for p in self._owed:
             if now - self._last_word[p] >= every:
                 message = alive_message(self._syncs)
-                self.communicator.notify(self._pairs[p].peer_rank, message)  # type: ignore[attr-defined]
+                self._one.notify(self._pairs[p].peer_rank, message)
                 self._last_word[p] = now
 
     def _target(self, j: int) -> torch.Tensor:

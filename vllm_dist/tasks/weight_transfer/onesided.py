@@ -50,84 +50,18 @@ import pickle
 import struct
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
+from vllm_dist.interfaces.dataplane import (
+    OneSidedCommunicator,
+    ReadHandle,
+    StridedReadCommunicator,
+)
 from vllm_dist.tasks.weight_transfer.ring import TransferStallError
 
-
-class ReadHandle(Protocol):
-    """An in-flight one-sided read."""
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the read completed; False or a ``TimeoutError`` after ``timeout`` s."""
-        ...
-
-    def done(self) -> bool:
-        """True once the read completed (raises if it failed); never blocks."""
-        ...
-
-
-@runtime_checkable
-class OneSidedCommunicator(Protocol):
-    """The one-sided API the READ path uses (matches ``NixlRdtCommunicator``'s names).
-
-    ``expose`` registers a local tensor so that peers can read it under ``name``;
-    ``exchange_exposed`` (collective) makes every member's exposures addressable;
-    ``read_async`` copies, from peer ``peer``'s buffer ``remote_name``, ``local``'s byte size
-    starting at byte ``remote_offset`` into ``local`` — or, given a list of
-    ``(view, offset, nbytes)``, each piece from ``remote_offset + offset`` in one request;
-    ``read_batch_async`` is one request over ``(remote_name, remote_offset, local)`` triples that
-    may name different exposed buffers (each fills its whole ``local``);
-    ``import_exposed`` makes a descriptor that ``expose`` returned on a peer (handed over out of
-    band, picklable) addressable; ``notify`` / ``wait_notification`` (``TimeoutError`` after
-    ``timeout``) carry the ring's
-    ready / done messages, in order per peer. Ranks are the communicator's group ranks. A
-    Protocol, not an ABC: a backend offers it without importing this package.
-    """
-
-    def expose(self, tensor: torch.Tensor, name: str) -> Any: ...
-
-    def exchange_exposed(self) -> Any: ...
-
-    def read_async(
-        self,
-        peer: int,
-        remote_name: str,
-        local: torch.Tensor | Sequence[tuple[torch.Tensor, int, int]],
-        remote_offset: int = 0,
-    ) -> ReadHandle: ...
-
-    def read_batch_async(
-        self, peer: int, requests: Sequence[tuple[str, int, torch.Tensor]]
-    ) -> ReadHandle: ...
-
-    def import_exposed(self, desc: Any) -> None: ...
-
-    def notify(self, peer: int, message: bytes) -> None: ...
-
-    def wait_notification(self, peer: int, timeout: float | None = None) -> bytes: ...
-
-
-@runtime_checkable
-class StridedReadCommunicator(Protocol):
-    """What lets a consumer read a producer's weight slice in place, with no pack (optional).
-
-    ``read_strided_async`` reads ``(remote name, byte offset, remote strides, local)`` views:
-    the remote view has ``local``'s shape and dtype and those element strides. ``maps_peer_memory``
-    says whether such reads run on a mapping of the peer's memory (a strided view then costs
-    what its bytes cost), ``maps_exposed(peer, name)`` whether one exposed buffer is mapped here.
-    """
-
-    @property
-    def maps_peer_memory(self) -> bool: ...
-
-    def maps_exposed(self, peer: int, remote_name: str) -> bool: ...
-
-    def read_strided_async(
-        self, peer: int, requests: Sequence[tuple[str, int, Sequence[int], torch.Tensor]]
-    ) -> ReadHandle: ...
+__all__ = ["OneSidedCommunicator", "ReadHandle", "StridedReadCommunicator"]  # moved to interfaces
 
 
 _DONE = struct.Struct("<cqq")  # b"D", sync, seq: every chunk of the pair up to seq is read
