@@ -106,18 +106,23 @@ from vllm_dist.tasks.weight_transfer.config import (
     WeightTransferSetupError,
 )
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
-from vllm_dist.tasks.weight_transfer.onesided import (
+from vllm_dist.tasks.weight_transfer.messages import (
     SPREAD,
-    alive_message,
-    alive_sync,
+    AdmitMessage,
+    Announcement,
+    Done,
+    PlanMessage,
+    ReadyCodec,
+    Replay,
+    ReserveMessage,
+    decode_consumer_message,
+    encode_alive,
+    encode_done,
+    encode_replay,
+)
+from vllm_dist.tasks.weight_transfer.onesided import (
     device_synchronize,
-    done_message,
-    parse_done,
-    parse_ready,
-    parse_replay,
     poll_message,
-    ready_message,
-    replay_message,
     ring_name,
     wait_device,
     wait_message,
@@ -176,7 +181,10 @@ class _Pair:
     strided: bool = False  # READ: the consumer reads strided source views in place
     maps: bool = False  # READ: ... on a mapping of the producer's memory (``maps_peer_memory``)
     last_seq: int = -1  # consumer side: the seq of the pair's last chunk (set at set-up)
-    outbox: list[Any] = field(default_factory=list)  # READ: announcements not yet sent
+    outbox: list[Announcement] = field(default_factory=list)  # READ: not yet sent
+    outbox_descs: list[Any] = field(default_factory=list)  # READ: their new sources' descriptors
+    desc_sender: SerialWorker | None = None  # READ: sends descriptors (``_send_descriptors``)
+    desc_sends: list[Waitable] = field(default_factory=list)  # READ: ... not known to be done
     outbox_bytes: int = 0  # READ: bytes of the chunks queued since the last announcement
     outbox_packed: int = 0  # READ: ring slots packed since the last announcement
     slot_seq: dict[int, int] = field(default_factory=dict)  # READ: slot -> last seq packed
@@ -193,6 +201,14 @@ class _Pair:
     failed: threading.Event = field(default_factory=threading.Event)  # push: this sync's
     error: Exception | None = None  # push: why this pair failed this sync
     receipt: torch.Tensor | None = None  # push: the consumer's receipt of a sync lands here
+
+    def close(self) -> None:
+        """Stop the pair's threads and release its replay record."""
+        for worker in (self.worker, self.desc_sender):
+            if worker is not None:
+                worker.close()
+        if self.replay is not None:
+            self.replay.close()
 
     def receipt_buffer(self, device: torch.device) -> torch.Tensor:
         if self.receipt is None:
@@ -328,6 +344,7 @@ class _Engine:
         self._phase_start = time.perf_counter()
         self._exposed: list[str] = []
         self._packed = 0  # this sync's pack (producer) or unpack (consumer) copies, in chunks
+        self._codec = ReadyCodec()
 
     @property
     def path(self) -> str:
@@ -367,10 +384,7 @@ class _Engine:
 
     def close(self) -> None:
         for pair in self._pairs.values():
-            if pair.worker is not None:
-                pair.worker.close()
-            if pair.replay is not None:
-                pair.replay.close()
+            pair.close()
         self._pairs = {}
         for name in self._exposed:
             self._one.unexpose(name)
@@ -552,7 +566,7 @@ class WeightProducer(_Engine):
         index = self.index
         assert index is not None, "admit() needs setup() first"
         facts = self.producer_facts if self.producer_id == 0 else None
-        self.coordinator.send_object(("admit", self.producer_id, self._syncs, facts), crank)
+        self.coordinator.send_object(AdmitMessage(self.producer_id, self._syncs, facts), crank)
         plan_msg = self.coordinator.recv_object(crank)
         reserve_msg = self.coordinator.recv_object(crank)
         self._drop_pair(consumer_id)
@@ -587,10 +601,7 @@ class WeightProducer(_Engine):
         pair = self._pairs.pop(consumer_id, None)
         if pair is None:
             return
-        if pair.worker is not None:
-            pair.worker.close()
-        if pair.replay is not None:
-            pair.replay.close()
+        pair.close()
         name = pair.remote_name or ring_name(self.producer_id, consumer_id)
         if pair.ring is not None and name in self._exposed:
             self._unexpose(name)
@@ -598,9 +609,10 @@ class WeightProducer(_Engine):
     def _accept(
         self, cid: int, crank: int, index: ModelIndex, plan_msg: Any, reserve_msg: Any
     ) -> None:
-        verb, sender, payload, path, strided, maps = plan_msg
-        if verb != "plan" or sender != cid:
-            raise RuntimeError(f"expected a plan from consumer {cid}, got {verb!r} from {sender}")
+        if not isinstance(plan_msg, PlanMessage) or plan_msg.consumer_id != cid:
+            raise RuntimeError(f"expected a plan from consumer {cid}, got {plan_msg!r:.80}")
+        payload, path = plan_msg.requests, plan_msg.path
+        strided, maps = plan_msg.strided, plan_msg.maps
         if isinstance(payload, str):  # the consumer failed its own set-up
             self._pairs[cid] = _Pair(peer_rank=crank, chunks=[], requests=[], slot_bytes=0)
             return
@@ -655,7 +667,11 @@ class WeightProducer(_Engine):
         self._pairs[cid] = pair
 
     def _compare(self, cid: int, chunks: list[Chunk], digest: str, reserve_msg: Any) -> None:
-        _verb, _sender, nbytes, their_digest = reserve_msg
+        if not isinstance(reserve_msg, ReserveMessage) or reserve_msg.consumer_id != cid:
+            raise RuntimeError(
+                f"expected a reservation from consumer {cid}, got {reserve_msg!r:.80}"
+            )
+        nbytes, their_digest = reserve_msg.nbytes, reserve_msg.digest
         if their_digest != digest:
             raise PlanMismatchError(
                 f"producer {self.producer_id} and consumer {cid} derived different plans "
@@ -928,7 +944,7 @@ class WeightProducer(_Engine):
             if handle is not None:
                 what = f"producer {self.producer_id}: packs of the replayed sync for consumer {cid}"
                 wait_or_stall(handle, self.config.stall_timeout, what)
-            self._tell(pair, replay_message(self._syncs), "the replayed sync")
+            self._tell(pair, encode_replay(self._syncs), "the replayed sync")
         self._mark("told")
         for cid, pair, rec in pairs:
             self._await_done(cid, pair, rec.last_seq)
@@ -950,9 +966,9 @@ class WeightProducer(_Engine):
         what = f"producer {self.producer_id} waiting for consumer {cid} to read (replayed sync)"
         seen = -1
         while seen < last_seq:
-            msg = self._consumer_word(pair.peer_rank, what, block=True)
-            assert msg is not None
-            sync, seq = parse_done(msg, what)
+            done = self._consumer_word(pair.peer_rank, what, block=True)
+            assert done is not None
+            sync, seq = done.sync, done.seq
             if sync != self._syncs or not seen < seq <= last_seq:
                 raise RuntimeError(f"{what}: unexpected 'done' for (sync, seq) {(sync, seq)}")
             seen = seq
@@ -1029,7 +1045,13 @@ class WeightProducer(_Engine):
         exposed = self._exposed_source(pair, chunk, tensors)
         if exposed is not None:
             name, offset, desc, strides = exposed
-            pair.outbox.append((self._syncs, chunk.seq, offset, chunk.nbytes, name, desc, strides))
+            pair.outbox.append(
+                Announcement(
+                    self._syncs, chunk.seq, offset, chunk.nbytes, name, strides, desc is not None
+                )
+            )
+            if desc is not None:
+                pair.outbox_descs.append(desc)
         else:
             index = pair.packs % pair.ring.slots
             pair.packs += 1
@@ -1040,7 +1062,7 @@ class WeightProducer(_Engine):
             start = index * pair.slot_bytes
             slot = pair.ring.buffer[start : start + chunk.nbytes]
             self._pack(slot, pair, chunk, tensors)
-            pair.outbox.append((self._syncs, chunk.seq, start, chunk.nbytes, None, None, None))
+            pair.outbox.append(Announcement(self._syncs, chunk.seq, start, chunk.nbytes))
             pair.outbox_packed += 1
         pair.pending.append((chunk.seq, chunk.group))
         pair.outbox_bytes += chunk.nbytes
@@ -1069,11 +1091,23 @@ class WeightProducer(_Engine):
                 device_synchronize(self.communicator.device)
                 self._dirty = False
             self._mark(f"announce {pair.peer_rank} x{len(pair.outbox)}")
-            self._tell(pair, ready_message(pair.outbox), "what is ready")
+            if pair.outbox_descs:  # through the coordinator, beside the message that names them
+                descs, pair.outbox_descs = pair.outbox_descs, []
+                self._send_descriptors(pair, descs)
+            self._tell(pair, self._codec.encode(pair.outbox), "what is ready")
             pair.outbox = []
         pair.announced += pair.outbox_bytes
         pair.outbox_bytes = 0
         pair.outbox_packed = 0
+
+    def _send_descriptors(self, pair: _Pair, descs: list[Any]) -> None:
+        """Hand ``descs`` to the pair's consumer through the coordinator, from a thread of the
+        pair's: a coordinator send waits for the matching receive, which the consumer posts
+        only once it reads the announcement that names them."""
+        if pair.desc_sender is None:
+            pair.desc_sender = SerialWorker(f"wt-desc-r{pair.peer_rank}")
+        send = partial(self.coordinator.send_object, descs, pair.peer_rank)
+        pair.desc_sends.append(pair.desc_sender.submit(send))
 
     def _tell(self, pair: _Pair, message: bytes, what: str) -> None:
         """Notify ``pair``'s consumer; a failure (the consumer is gone: NIXL reports the
@@ -1186,20 +1220,20 @@ class WeightProducer(_Engine):
         if block:
             self._announce_all()  # never wait on a consumer that has not been told everything
             self._mark(f"wait done {pair.peer_rank}")
-            msg = self._consumer_word(pair.peer_rank, what, block=True)
+            done = self._consumer_word(pair.peer_rank, what, block=True)
             self._mark(f"got done {pair.peer_rank}")
         else:
-            msg = self._consumer_word(pair.peer_rank, what, block=False)
-        if msg is None:
+            done = self._consumer_word(pair.peer_rank, what, block=False)
+        if done is None:
             return False
-        sync, seq = parse_done(msg, what)
+        sync, seq = done.sync, done.seq
         if sync != self._syncs or not pair.pending or seq < pair.pending[0][0]:
             raise RuntimeError(f"{what}: unexpected 'done' for (sync, seq) {(sync, seq)}")
         while pair.pending and pair.pending[0][0] <= seq:
             barrier.arrive(pair.pending.popleft()[1])
         return True
 
-    def _consumer_word(self, peer: int, what: str, *, block: bool) -> bytes | None:
+    def _consumer_word(self, peer: int, what: str, *, block: bool) -> Done | None:
         """The consumer's next message that is not 'alive' (None: none yet, when not
         ``block``). An 'alive' of this sync starts the stall timeout over (the consumer reads
         other producers first); one of an earlier sync is dropped; a later one is an error."""
@@ -1208,14 +1242,15 @@ class WeightProducer(_Engine):
         while True:
             if block:
                 left = deadline - time.monotonic()
-                msg: bytes | None = wait_message(self.communicator, peer, left, what, stall)
+                msg: bytes | None = wait_message(self._one, peer, left, what, stall)
             else:
-                msg = poll_message(self.communicator, peer)
+                msg = poll_message(self._one, peer)
             if msg is None:
                 return None
-            sync = alive_sync(msg)
-            if sync is None:
-                return msg
+            word = decode_consumer_message(msg, what)
+            if isinstance(word, Done):
+                return word
+            sync = word.sync
             if sync > self._syncs:
                 raise RuntimeError(f"{what}: 'alive' for sync {sync}, this is sync {self._syncs}")
             if sync == self._syncs:
@@ -1234,6 +1269,10 @@ class WeightProducer(_Engine):
             if self._read:
                 while pair.pending:
                     self._take_done(cid, pair, barrier, block=True)
+                what = f"producer {self.producer_id}: descriptors to consumer {cid}"
+                for handle in pair.desc_sends:  # received: the consumer read every chunk
+                    wait_or_stall(handle, timeout, what)
+                pair.desc_sends.clear()
             elif pair.ring is not None:
                 try:
                     pair.ring.drain(timeout, f"producer {self.producer_id} -> consumer {cid}")
@@ -1841,10 +1880,13 @@ class WeightConsumer(_Engine):
         prods = self.fleet.producer_ranks
         hello = [self.coordinator.recv_object(r) for r in prods]
         for p, msg in enumerate(hello):
-            if not (isinstance(msg, tuple) and msg[:2] == ("admit", p)):
+            if not (isinstance(msg, AdmitMessage) and msg.producer_id == p):
                 raise RuntimeError(f"expected admit() from producer {p}, got {msg!r:.80}")
-        self._syncs = hello[0][2]
-        index = self._build_index(hello[0][3])
+        self._syncs = hello[0].syncs
+        facts = hello[0].facts
+        if facts is None:
+            raise RuntimeError("admit() from producer 0 came without the producers' facts")
+        index = self._build_index(facts)
         self._phase("index")
         error = self._prepare(index)
         self._send_plans(index, error)
@@ -2041,15 +2083,16 @@ class WeightConsumer(_Engine):
                 digests[p] = plan_digest(
                     self.consumer_id, p, self.chunks, payload, router, self.layout
                 )
-            self.coordinator.send_object(
-                ("plan", self.consumer_id, payload, self.path, self._strided, self._maps), prank
-            )
+            plan = PlanMessage(self.consumer_id, payload, self.path, self._strided, self._maps)
+            self.coordinator.send_object(plan, prank)
             reserve[p] = slot_bytes(self.chunks, p, self.layout.align) * self.layout.ring_slots
         router.reserve_serve_buffers(reserve, digests)
 
     def _control(self, rank: int) -> Callable[..., None]:
         def send(verb: str, consumer_id: int, *args: Any) -> None:
-            self.coordinator.send_object((verb, consumer_id, *args), rank)
+            if verb != "reserve":
+                raise RuntimeError(f"the engine's producers take no {verb!r} request")
+            self.coordinator.send_object(ReserveMessage(consumer_id, *args), rank)
 
         return send
 
@@ -2293,12 +2336,12 @@ class WeightConsumer(_Engine):
             pair.replay = rec
         self._mark("end")
 
-    def _start_replay(self, p: int, msg: bytes, what: str) -> bool:
+    def _start_replay(self, p: int, msg: Replay, what: str) -> bool:
         """Post producer ``p``'s recorded reads if ``msg`` is a replay of a sync recorded here
         (the last one); False when it is not (then it is read chunk by chunk)."""
         pair = self._pairs[p]
         rec = pair.replay
-        if rec is None or rec.sync != self._syncs - 1 or parse_replay(msg) is None:
+        if rec is None or rec.sync != self._syncs - 1:
             return False
         self._check_replay(msg, what)
         if rec.prepared is None:
@@ -2347,28 +2390,33 @@ class WeightConsumer(_Engine):
             self._tell_done(p, rec.last_seq)
             rec.sync = self._syncs
 
-    def _check_replay(self, msg: bytes, what: str) -> None:
-        if parse_replay(msg) != self._syncs:
-            raise RuntimeError(f"{what}: replay message for sync {parse_replay(msg)}")
+    def _check_replay(self, msg: Replay, what: str) -> None:
+        if msg.sync != self._syncs:
+            raise RuntimeError(f"{what}: replay message for sync {msg.sync}")
 
     def _take_message(self, p: int, msg: bytes, inbox: dict[int, deque[Any]], what: str) -> None:
         """Queue the announcements of producer ``p``'s message. A replay message starts the
         recorded reads when this consumer has a record of the last sync; otherwise it stands
         for the last sync's announcements (this consumer kept them), read chunk by chunk."""
         self._heard.add(p)
-        if self._start_replay(p, msg, what):
-            return
-        if parse_replay(msg) is not None:
-            self._check_replay(msg, what)
+        message = self._codec.decode(msg, what)
+        if isinstance(message, Replay):
+            if self._start_replay(p, message, what):
+                return
+            self._check_replay(message, what)
             anns = [self._announced_as[c.index] for c in self._pairs[p].chunks]
             if any(a is None for a in anns):
                 raise RuntimeError(f"{what}: a replay, but no earlier sync was read in full here")
-            inbox[p].extend((self._syncs, *a[1:5], None, a[6]) for a in anns)
+            inbox[p].extend(
+                Announcement(self._syncs, a.seq, a.offset, a.nbytes, a.source, a.strides)
+                for a in anns
+                if a is not None
+            )
             return
-        announced = parse_ready(msg, what)
-        for ann in announced:
-            if ann[5] is not None:  # a source exposed for us: addressable from now on
-                self._one.import_exposed(ann[5])
+        announced = message.announcements
+        if any(a.new_source for a in announced):  # sources exposed for us: addressable now
+            for desc in self.coordinator.recv_object(self._pairs[p].peer_rank):
+                self._one.import_exposed(desc)
         inbox[p].extend(announced)
 
     def _announced(self, chunk: Chunk, inbox: dict[int, deque[Any]], *, block: bool) -> bool:
@@ -2383,7 +2431,7 @@ class WeightConsumer(_Engine):
                 msg: bytes | None = self._await_message(chunk.producer, inbox, what)
                 self._mark("got ready")
             else:
-                msg = poll_message(self.communicator, pair.peer_rank)
+                msg = poll_message(self._one, pair.peer_rank)
                 if msg is None:
                     return False
             assert msg is not None
@@ -2410,21 +2458,21 @@ class WeightConsumer(_Engine):
                 except TimeoutError:
                     self._keep_alive()
             left = deadline - time.monotonic()
-            return wait_message(self.communicator, peer, left, what, stall)
+            return wait_message(self._one, peer, left, what, stall)
         pause = 10e-6
         while True:
             self._keep_alive()
-            msg = poll_message(self.communicator, peer)
+            msg = poll_message(self._one, peer)
             if msg is not None:
                 return msg
             for q in others:
                 if q not in self._heard:
-                    first = poll_message(self.communicator, self._pairs[q].peer_rank)
+                    first = poll_message(self._one, self._pairs[q].peer_rank)
                     if first is not None:
                         self._take_message(q, first, inbox, f"{what}; from producer {q}")
             self._finish_replays(block=False)
             if time.monotonic() > deadline:
-                return wait_message(self.communicator, peer, 0.0, what, stall)  # the stall error
+                return wait_message(self._one, peer, 0.0, what, stall)  # the stall error
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
 
@@ -2435,7 +2483,13 @@ class WeightConsumer(_Engine):
         handles: list[Any] = []
         for j, ann in zip(batch, announcements, strict=True):
             self._announced_as[j] = ann
-            sync, seq, offset, nbytes, source, _desc, _strides = ann
+            sync, seq, offset, nbytes, source = (
+                ann.sync,
+                ann.seq,
+                ann.offset,
+                ann.nbytes,
+                ann.source,
+            )
             chunk = self.chunks[j]
             if (sync, seq, nbytes) != (self._syncs, chunk.seq, chunk.nbytes):
                 raise RuntimeError(
@@ -2472,14 +2526,14 @@ class WeightConsumer(_Engine):
         ]
         return handles
 
-    def _staged(self, j: int, ann: Any) -> bool:
+    def _staged(self, j: int, ann: Announcement) -> bool:
         """Whether chunk ``j``, announced as ``ann``, lands in its staging slot (then unpacks)."""
         if self._gather(j, ann) is not None:
             return self._gathers[j][3]
         route = self._route(j, ann)
         return self._direct[j] is None if route is None else not route[4]
 
-    def _route(self, j: int, ann: Any) -> tuple[str, int, Any, torch.Tensor, bool] | None:
+    def _route(self, j: int, ann: Announcement) -> tuple[str, int, Any, torch.Tensor, bool] | None:
         """A strided read for chunk ``j`` read in place: (source, byte offset, strides, local,
         lands in the parameter). None: a plain byte read (packed bytes, or contiguous bytes
         into a contiguous parameter, or no strided reads here).
@@ -2488,12 +2542,12 @@ class WeightConsumer(_Engine):
         re-layout (transpose) straight into the parameter when that is a view of the same
         dtype; otherwise it lands, as the wire bytes, in the chunk's staging slot.
         """
-        source, strides = ann[4], ann[6]
+        source, strides = ann.source, ann.strides
         if source is None or not (
             strides is not None or (self._strided and self._direct[j] is None)
         ):
             return None
-        key = (source, ann[2], strides)
+        key = (source, ann.offset, strides)
         hit = self._routes.get(j)
         if hit is not None and hit[0] == key:
             return hit[1]
@@ -2501,7 +2555,7 @@ class WeightConsumer(_Engine):
         i = chunk.items[0]
         dtype, wire, nbytes = self._items[i]
         wire_strides = strides if strides is not None else _contiguous_strides(wire)
-        offset = ann[2]
+        offset = ann.offset
         view = None
         peer = self._pairs[chunk.producer].peer_rank
         if self._strided_comm.maps_exposed(peer, source):
@@ -2529,7 +2583,7 @@ class WeightConsumer(_Engine):
         _size, strides, delta = geo
         return delta * dest.element_size(), strides
 
-    def _gather(self, j: int, ann: Any) -> list[tuple[str, int, Any, torch.Tensor]] | None:
+    def _gather(self, j: int, ann: Announcement) -> list[tuple[str, int, Any, torch.Tensor]] | None:
         """The strided reads that take chunk ``j``, announced as ``ann``, item by item: from
         the producer's ring slot straight into the parameters (a packed chunk,
         ``mapped_unpack``: where this consumer maps that ring and every item's re-layout is a
@@ -2539,13 +2593,15 @@ class WeightConsumer(_Engine):
         chunk is one read (then unpacked where it is staged).
 
         Built (and prepared as one set of reads) once per place the chunk is announced at."""
-        spread = ann[2] == SPREAD
+        spread = ann.offset == SPREAD
         if not spread and (
-            ann[4] is not None or not self._map_packs or self._direct[j] is not None
+            ann.source is not None or not self._map_packs or self._direct[j] is not None
         ):
             return None  # read in place, or contiguous bytes read straight into the parameter
         pair = self._pairs[self.chunks[j].producer]
-        key = (ann[4], ann[6]) if spread else (pair.remote_name, ann[2])
+        key: tuple[Any, Any] = (
+            (ann.source, ann.strides) if spread else (pair.remote_name, ann.offset)
+        )
         hit = self._gathers.get(j)
         if hit is not None and hit[0] == key:
             return hit[1]
@@ -2631,7 +2687,7 @@ class WeightConsumer(_Engine):
 
     def _tell_done(self, p: int, seq: int) -> None:
         """'Done up to ``seq``' to producer ``p``."""
-        message = done_message(self._syncs, seq)
+        message = encode_done(self._syncs, seq)
         self._one.notify(self._pairs[p].peer_rank, message)
         self._last_word[p] = time.monotonic()
         if self._owed.get(p) == seq:
@@ -2649,7 +2705,7 @@ class WeightConsumer(_Engine):
         every = self.config.stall_timeout / 4
         for p in self._owed:
             if now - self._last_word[p] >= every:
-                message = alive_message(self._syncs)
+                message = encode_alive(self._syncs)
                 self._one.notify(self._pairs[p].peer_rank, message)
                 self._last_word[p] = now
 
