@@ -16,7 +16,7 @@ from vllm_dist.tasks.weight_transfer.config import (
     UnservedNameError,
     WeightTransferSetupError,
 )
-from vllm_dist.tasks.weight_transfer.engine import WeightConsumer, WeightProducer
+from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
 from vllm_dist.tasks.weight_transfer.groups import layer_index, layerwise_groups
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.ops import (
@@ -39,6 +39,7 @@ from vllm_dist.tasks.weight_transfer.plan import (
     build_chunks,
     pair_digest,
 )
+from vllm_dist.tasks.weight_transfer.producer import WeightProducer
 from vllm_dist.tasks.weight_transfer.ring import (
     FreeBarrier,
     ServeRing,

@@ -24,7 +24,8 @@ from vllm_dist import registry
 from vllm_dist.interfaces import CommOp, WorkerInfo
 from vllm_dist.tasks.base import GlobalCoordinatorDistributedTask
 from vllm_dist.tasks.weight_transfer.config import Fleet, Route, TransferConfig
-from vllm_dist.tasks.weight_transfer.engine import WeightConsumer, WeightProducer
+from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
+from vllm_dist.tasks.weight_transfer.producer import WeightProducer
 from vllm_dist.tasks.weight_transfer.source import WeightSource
 
 
