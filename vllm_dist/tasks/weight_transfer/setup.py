@@ -84,8 +84,8 @@ def gather_verdicts(coordinator: WorkerCoordinator, error: BaseException | None)
 def pair_layout(layout: LayoutConfig, strided: bool) -> LayoutConfig:
     """The layout of a pair: with strided reads every item of at least 8 KiB (a norm of a
     hidden-4096 model) is a chunk of its own, read in place, so producers pack and
-    synchronize their device for nothing but tiny items (below that, per-chunk bookkeeping of
-    about 10 µs a side costs more than packing)."""
+    synchronize their device for nothing but tiny items (below that, per-chunk bookkeeping
+    costs more than packing)."""
     if not strided or layout.direct_bytes <= STRIDED_DIRECT_BYTES:
         return layout
     return replace(layout, direct_bytes=STRIDED_DIRECT_BYTES)
