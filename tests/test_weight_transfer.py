@@ -63,6 +63,7 @@ from vllm_dist.tasks.weight_transfer import (
 from vllm_dist.tasks.weight_transfer.demo import LlamaTransferTask, allocate, summarize
 from vllm_dist.tasks.weight_transfer.ops import loader_key
 from vllm_dist.tasks.weight_transfer.paths.push import ConsumerPush
+from vllm_dist.tasks.weight_transfer.paths.read_consumer import ConsumerRead
 from vllm_dist.tasks.weight_transfer.plan import decode_requests, encode_requests, plan_digest
 from vllm_dist.tasks.weight_transfer.setup import ShapeCache
 from vllm_dist.tasks.weight_transfer.tp import (
@@ -1554,8 +1555,11 @@ class ChunkwiseConsumer(WeightConsumer):
     """A consumer that never runs a replay as a whole: it reads the announcements a replay
     message stands for one by one (what a consumer does when its record cannot be replayed)."""
 
-    def _start_replay(self, p: int, msg: bytes, what: str) -> bool:
-        return False
+    def _make_rings(self) -> Any:
+        path = super()._make_rings()
+        assert isinstance(path, ConsumerRead)
+        path.replay.start = lambda p, msg, what: False  # type: ignore[method-assign]
+        return path
 
 
 class ChunkwiseTask(LlamaTransferTask):
