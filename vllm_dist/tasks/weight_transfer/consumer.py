@@ -43,7 +43,7 @@ from vllm_dist.tasks.weight_transfer.ops import (
 )
 from vllm_dist.tasks.weight_transfer.pairs import ConsumerPair
 from vllm_dist.tasks.weight_transfer.paths.base import ConsumerPath
-from vllm_dist.tasks.weight_transfer.paths.push import ConsumerPush
+from vllm_dist.tasks.weight_transfer.paths.push import ConsumerPushOrdered, ConsumerPushThreaded
 from vllm_dist.tasks.weight_transfer.paths.read_consumer import ConsumerRead
 from vllm_dist.tasks.weight_transfer.plan import (
     Chunk,
@@ -390,7 +390,8 @@ class WeightConsumer(EngineBase):
             one = self._one_sided
             self._path = ConsumerRead(self, one, strided, self._preparer, self._exposures)
         else:
-            self._path = ConsumerPush(self, self._async)
+            push = ConsumerPushThreaded if self._threads else ConsumerPushOrdered
+            self._path = push(self, self._async)
         return self._path
 
     @gc_paused

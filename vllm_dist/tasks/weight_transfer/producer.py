@@ -33,7 +33,11 @@ from vllm_dist.tasks.weight_transfer.onesided import ring_name
 from vllm_dist.tasks.weight_transfer.ops import UnsafeOpError
 from vllm_dist.tasks.weight_transfer.pairs import PackPlan, ProducerPair
 from vllm_dist.tasks.weight_transfer.paths.base import ProducerPath
-from vllm_dist.tasks.weight_transfer.paths.push import ProducerPush, reworded
+from vllm_dist.tasks.weight_transfer.paths.push import (
+    ProducerPushOrdered,
+    ProducerPushThreaded,
+    reworded,
+)
 from vllm_dist.tasks.weight_transfer.paths.read_producer import ProducerRead
 from vllm_dist.tasks.weight_transfer.plan import (
     PlanMismatchError,
@@ -44,7 +48,7 @@ from vllm_dist.tasks.weight_transfer.plan import (
     plan_digest,
     slot_bytes,
 )
-from vllm_dist.tasks.weight_transfer.ring import FreeBarrier, SerialWorker, ServeRing
+from vllm_dist.tasks.weight_transfer.ring import FreeBarrier, ServeRing
 from vllm_dist.tasks.weight_transfer.setup import (
     EngineBase,
     PlanCheck,
@@ -104,7 +108,8 @@ class WeightProducer(EngineBase):
             asynchronous = (
                 communicator if isinstance(communicator, AsyncSendRecvCommunicator) else None
             )
-            self._path = ProducerPush(self, asynchronous)
+            push = ProducerPushThreaded if self._threads else ProducerPushOrdered
+            self._path = push(self, asynchronous)
         self._checks = PlanCheck(self.producer_id, self.layout, self._shapes)
 
     @gc_paused
@@ -268,25 +273,11 @@ class WeightProducer(EngineBase):
             else:
                 buf = torch.empty(alloc, dtype=torch.uint8, device=device)
             pair.ring = ServeRing(buf, self.layout.ring_slots, slot)
-            if self._threads:
-                pair.worker = SerialWorker(f"wt-serve-c{cid}")
+            pair.worker = self._path.pair_worker(cid)
         self._pairs[cid] = pair
 
     def _build_schedule(self) -> None:
-        if self._threads:
-            # a thread per pair: consumers take turns within a group (the pair's chunk i of
-            # every consumer before chunk i + 1 of any), so a ring full for one leaves the
-            # others fed
-            turns = [
-                (c.group, c.seq, cid, c.index) for cid, p in self._pairs.items() for c in p.chunks
-            ]
-            self._schedule = [(g, cid, i) for g, _, cid, i in sorted(turns)]
-        else:
-            # one thread, transfers that block: (group, consumer, chunk) is the one order every
-            # rank keeps (a consumer's plan runs group by group; within a group and consumer
-            # this producer's chunks come in the consumer's plan order)
-            sched = [(c.group, cid, c.index) for cid, p in self._pairs.items() for c in p.chunks]
-            self._schedule = sorted(sched)
+        self._schedule = self._path.schedule(self._pairs)
         for pair in self._pairs.values():
             pair.sync_bytes = sum(c.nbytes for c in pair.chunks)
         self._group_counts = {}

@@ -14,7 +14,7 @@ import torch
 from vllm_dist.tasks.weight_transfer.config import SyncStats
 from vllm_dist.tasks.weight_transfer.pairs import ProducerPair
 from vllm_dist.tasks.weight_transfer.plan import Chunk
-from vllm_dist.tasks.weight_transfer.ring import FreeBarrier
+from vllm_dist.tasks.weight_transfer.ring import FreeBarrier, SerialWorker
 
 
 class ProducerPath(ABC):
@@ -26,6 +26,16 @@ class ProducerPath(ABC):
     def begin(self, start: float) -> SyncStats | None:
         """Before the chunks: the stats of the whole sync where it was done here (a replay),
         else None."""
+        return None
+
+    def schedule(self, pairs: Mapping[int, ProducerPair]) -> list[tuple[int, int, int]]:
+        """(group, consumer, chunk index) in serving order: (group, consumer, chunk), the one
+        order every rank keeps (a consumer's plan runs group by group; within a group and
+        consumer this producer's chunks come in the consumer's plan order)."""
+        return sorted((c.group, cid, c.index) for cid, p in pairs.items() for c in p.chunks)
+
+    def pair_worker(self, cid: int) -> SerialWorker | None:
+        """The thread that serves consumer ``cid``'s chunks, where the path has one."""
         return None
 
     @abstractmethod

@@ -12,6 +12,7 @@ stream-ordered transfers deadlock-free. Every consumer confirms each sync with a
 from __future__ import annotations
 
 import threading
+from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -29,6 +30,7 @@ from vllm_dist.tasks.weight_transfer.paths.base import ConsumerPath, ProducerPat
 from vllm_dist.tasks.weight_transfer.plan import Chunk
 from vllm_dist.tasks.weight_transfer.ring import (
     FreeBarrier,
+    SerialWorker,
     TransferStallError,
     Waitable,
     wait_or_stall,
@@ -102,6 +104,7 @@ class ProducerPush(ProducerPath):
             pair.failed.set()
             barrier.arrive(chunk.group)
 
+    @abstractmethod
     def _push_chunk(
         self,
         cid: int,
@@ -110,32 +113,7 @@ class ProducerPush(ProducerPath):
         tensors: Mapping[str, torch.Tensor],
         barrier: FreeBarrier,
     ) -> None:
-        assert pair.ring is not None
-        direct = self._direct_view(pair, chunk, tensors)
-        if pair.worker is None:  # in fleet order from this thread: a slot is reused only
-            # after its last send returned (blocking) or behind it on the stream (NCCL)
-            if direct is None:
-                self.engine._packed += 1
-                direct = pair.ring.acquire(chunk.seq, chunk.nbytes, 0.0, "")  # nothing in flight
-                self._packer(direct, pair, chunk, tensors)()
-            what = f"producer {self.producer_id} -> consumer {cid} (chunk {chunk.seq})"
-            send_bounded(self.communicator, self._async, direct, pair.peer_rank, self.config, what)
-            self._queued_mark(cid)
-            barrier.arrive(chunk.group)
-            return
-        if direct is not None:
-            handle = pair.worker.submit(self._sender(cid, pair, chunk, direct))
-        else:
-            what = f"producer {self.producer_id} -> consumer {cid}"
-            timeout = self.config.stall_timeout
-            slot = pair.ring.acquire(chunk.seq, chunk.nbytes, timeout, what)
-            self.engine._packed += 1
-            # packed by the sender thread right before its send: no hand-over between threads
-            # per chunk (on a busy host each costs a wake-up), and the slot's last send is over
-            pack = self._packer(slot, pair, chunk, tensors)
-            handle = pair.worker.submit(self._sender(cid, pair, chunk, slot, pack))
-            pair.ring.in_flight(chunk.seq, handle)
-        handle.add_done_callback(_arrival(barrier, chunk.group))
+        """Pack (where needed) and send one chunk."""
 
     def _queued_mark(self, cid: int) -> None:
         """On a stream-ordered communicator: an event behind the transfer just queued for
@@ -296,7 +274,6 @@ class ConsumerPush(ConsumerPath):
         self.consumer_id = engine.consumer_id
         self._pairs = engine._pairs
         self._async = asynchronous
-        self._threads = engine._threads
         self.chunks = engine.chunks
         self._direct = engine._direct
         self._broken = ""  # why a sync failed mid-transfer (no sync after it)
@@ -317,43 +294,9 @@ class ConsumerPush(ConsumerPath):
             raise
         return False
 
+    @abstractmethod
     def _receive(self) -> None:
-        """Each producer's receiver thread takes that producer's chunks of the sync in order
-        (``_receive_from``); this thread only waits for them, chunk by chunk. Without push
-        threads this thread receives every chunk itself, in plan order."""
-        timeout = self.config.stall_timeout
-        if not self._threads:  # in plan order (the fleet order) from this thread
-            for j, chunk in enumerate(self.chunks):
-                target = self.engine._target(j)
-                peer = self._pairs[chunk.producer].peer_rank
-                what = (
-                    f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
-                )
-                recv_bounded(self.communicator, self._async, target, peer, self.config, what)
-                if self._direct[j] is None:  # behind the recv: a blocking one, or on its stream
-                    self.engine._unpacker(j)()
-            self.engine._packed = sum(d is None for d in self._direct)
-            self._send_receipts()
-            wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
-            return
-        failed = threading.Event()
-        done: list[Future[None]] = [Future() for _ in self.chunks]
-        for p, pair in self._pairs.items():
-            assert pair.worker is not None
-            mine = [j for j, c in enumerate(self.chunks) if c.producer == p]
-            pair.worker.submit(partial(self._receive_from, pair, mine, done, failed))
-        try:
-            for chunk, future in zip(self.chunks, done, strict=True):
-                what = (
-                    f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
-                )
-                wait_or_stall(Waitable(future), timeout, what)
-        except BaseException:
-            failed.set()  # what is still queued gives up instead of taking the next sync's bytes
-            raise
-        self.engine._packed = sum(d is None for d in self._direct)
-        self._send_receipts()
-        wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
+        """Take every chunk of the sync, unpack, send the receipts."""
 
     def _send_receipts(self) -> None:
         """Tell each producer of this sync's chunks that they are in place (the sync's number,
@@ -420,6 +363,111 @@ class ConsumerPush(ConsumerPath):
                 if not done[j].done():
                     done[j].set_exception(exc)
             raise
+
+
+class ProducerPushOrdered(ProducerPush):
+    """Every transfer from this thread, in the fleet-wide order (NCCL: stream-ordered)."""
+
+    def _push_chunk(
+        self,
+        cid: int,
+        pair: ProducerPair,
+        chunk: Chunk,
+        tensors: Mapping[str, torch.Tensor],
+        barrier: FreeBarrier,
+    ) -> None:
+        # a slot is reused only after its last send returned (blocking) or behind it on the
+        # stream (NCCL)
+        assert pair.ring is not None
+        direct = self._direct_view(pair, chunk, tensors)
+        if direct is None:
+            self.engine._packed += 1
+            direct = pair.ring.acquire(chunk.seq, chunk.nbytes, 0.0, "")  # nothing in flight
+            self._packer(direct, pair, chunk, tensors)()
+        what = f"producer {self.producer_id} -> consumer {cid} (chunk {chunk.seq})"
+        send_bounded(self.communicator, self._async, direct, pair.peer_rank, self.config, what)
+        self._queued_mark(cid)
+        barrier.arrive(chunk.group)
+
+
+class ProducerPushThreaded(ProducerPush):
+    """A sender thread per consumer: a blocking send holds up only its pair (gloo)."""
+
+    def pair_worker(self, cid: int) -> SerialWorker | None:
+        return SerialWorker(f"wt-serve-c{cid}")
+
+    def schedule(self, pairs: Mapping[int, ProducerPair]) -> list[tuple[int, int, int]]:
+        # consumers take turns within a group (the pair's chunk i of every consumer before
+        # chunk i + 1 of any), so a ring full for one leaves the others fed
+        turns = [(c.group, c.seq, cid, c.index) for cid, p in pairs.items() for c in p.chunks]
+        return [(g, cid, i) for g, _, cid, i in sorted(turns)]
+
+    def _push_chunk(
+        self,
+        cid: int,
+        pair: ProducerPair,
+        chunk: Chunk,
+        tensors: Mapping[str, torch.Tensor],
+        barrier: FreeBarrier,
+    ) -> None:
+        assert pair.ring is not None and pair.worker is not None
+        direct = self._direct_view(pair, chunk, tensors)
+        if direct is not None:
+            handle = pair.worker.submit(self._sender(cid, pair, chunk, direct))
+        else:
+            what = f"producer {self.producer_id} -> consumer {cid}"
+            timeout = self.config.stall_timeout
+            slot = pair.ring.acquire(chunk.seq, chunk.nbytes, timeout, what)
+            self.engine._packed += 1
+            # packed by the sender thread right before its send: no hand-over between threads
+            # per chunk (on a busy host each costs a wake-up), and the slot's last send is over
+            pack = self._packer(slot, pair, chunk, tensors)
+            handle = pair.worker.submit(self._sender(cid, pair, chunk, slot, pack))
+            pair.ring.in_flight(chunk.seq, handle)
+        handle.add_done_callback(_arrival(barrier, chunk.group))
+
+
+class ConsumerPushOrdered(ConsumerPush):
+    """Every receive from this thread, in plan order (the fleet-wide order)."""
+
+    def _receive(self) -> None:
+        timeout = self.config.stall_timeout
+        for j, chunk in enumerate(self.chunks):
+            target = self.engine._target(j)
+            peer = self._pairs[chunk.producer].peer_rank
+            what = f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
+            recv_bounded(self.communicator, self._async, target, peer, self.config, what)
+            if self._direct[j] is None:  # behind the recv: a blocking one, or on its stream
+                self.engine._unpacker(j)()
+        self.engine._packed = sum(d is None for d in self._direct)
+        self._send_receipts()
+        wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
+
+
+class ConsumerPushThreaded(ConsumerPush):
+    """A receiver thread per producer takes that producer's chunks in order and unpacks each
+    right after it lands; this thread only waits for them, chunk by chunk."""
+
+    def _receive(self) -> None:
+        timeout = self.config.stall_timeout
+        failed = threading.Event()
+        done: list[Future[None]] = [Future() for _ in self.chunks]
+        for p, pair in self._pairs.items():
+            assert pair.worker is not None
+            mine = [j for j, c in enumerate(self.chunks) if c.producer == p]
+            pair.worker.submit(partial(self._receive_from, pair, mine, done, failed))
+        try:
+            for chunk, future in zip(self.chunks, done, strict=True):
+                what = (
+                    f"consumer {self.consumer_id} <- producer {chunk.producer} (chunk {chunk.seq})"
+                )
+                wait_or_stall(Waitable(future), timeout, what)
+        except BaseException:
+            failed.set()  # what is still queued gives up instead of taking the next sync's bytes
+            raise
+        self.engine._packed = sum(d is None for d in self._direct)
+        self._send_receipts()
+        wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
 
 
 def reworded(error: Exception, msg: str) -> Exception:
