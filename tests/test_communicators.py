@@ -125,19 +125,3 @@ def test_posted_recv_times_out_as_timeout_error() -> None:
     assert results[0] == "sender"
     assert results[1].startswith("TimeoutError after 0."), results[1]
     assert "within 0.5 s" in results[1]
-
-
-def test_common_shim_keeps_todays_names() -> None:
-    """shim: removed once callers pass their own. ``common`` still serves today's callers:
-    one process default arena map and stream pool behind today's signatures."""
-    from vllm_dist.implementations.communicators import common
-
-    tensors = [torch.full((256,), float(i)) for i in range(4)]
-    assert common.share_storages(tensors) == 4 * 1024
-    assert common.arena_range(tensors[0].data_ptr()) is not None
-    assert common.shared_arena(tensors[0].data_ptr()) is not None
-    dst = torch.zeros(256)
-    program = common.CopyProgram([dst], [tensors[1]], graph=True)
-    merged = common.CopyProgram.merged([program], graph=False)
-    merged.run()
-    assert isinstance(merged, common.CopyProgram) and dst[0].item() == 1.0

@@ -73,9 +73,11 @@ from vllm_dist.tasks.weight_transfer import (
     pair_digest,
     replay,
 )
-from vllm_dist.tasks.weight_transfer.engine import _ShapeCache
 from vllm_dist.tasks.weight_transfer.ops import loader_key
+from vllm_dist.tasks.weight_transfer.paths.push import ConsumerPush
+from vllm_dist.tasks.weight_transfer.paths.read_consumer import ConsumerRead
 from vllm_dist.tasks.weight_transfer.plan import decode_requests, encode_requests, plan_digest
+from vllm_dist.tasks.weight_transfer.setup import ShapeCache
 from vllm_dist.tasks.weight_transfer.views import ViewCache, slot_views
 
 MiB = 1 << 20
@@ -300,7 +302,7 @@ def test_bake_once_per_loader_kind_and_shapes() -> None:
     params = {n: torch.zeros(2, 3) for n in names}
     engine = WeightConsumer.__new__(WeightConsumer)
     engine.params, engine.route = params, lambda n: [(n, make(1))]
-    engine._shapes = _ShapeCache()
+    engine._shapes = ShapeCache()
     calls = []
     bake_one = engine._bake_one
     engine._bake_one = lambda *a: calls.append(1) or bake_one(*a)  # type: ignore[method-assign]
@@ -836,12 +838,20 @@ def test_consumer_death_ends_the_producers_sync(shapes: dict[str, Any], threads:
 class UnconfirmingConsumer(WeightConsumer):
     """Dies in its second sync after its last chunk landed, before it confirms the sync."""
 
-    def _send_receipts(self) -> None:
-        if self._syncs == 2:
-            import os
+    def _make_rings(self) -> Any:
+        path = super()._make_rings()
+        assert isinstance(path, ConsumerPush)
+        send_receipts = path._send_receipts
 
-            os._exit(7)
-        super()._send_receipts()
+        def dying() -> None:
+            if self._syncs == 2:
+                import os
+
+                os._exit(7)
+            send_receipts()
+
+        path._send_receipts = dying  # type: ignore[method-assign]
+        return path
 
 
 class UnconfirmingTask(LlamaTransferTask):
@@ -1545,8 +1555,11 @@ class ChunkwiseConsumer(WeightConsumer):
     """A consumer that never runs a replay as a whole: it reads the announcements a replay
     message stands for one by one (what a consumer does when its record cannot be replayed)."""
 
-    def _start_replay(self, p: int, msg: bytes, what: str) -> bool:
-        return False
+    def _make_rings(self) -> Any:
+        path = super()._make_rings()
+        assert isinstance(path, ConsumerRead)
+        path.replay.start = lambda p, msg, what: False  # type: ignore[method-assign]
+        return path
 
 
 class ChunkwiseTask(LlamaTransferTask):
@@ -1844,9 +1857,9 @@ def test_vram_arena_bundles_follow_chunks(monkeypatch: pytest.MonkeyPatch) -> No
     storage (a flat buffer) stay out."""
     from types import SimpleNamespace
 
-    from vllm_dist.tasks.weight_transfer import engine
+    from vllm_dist.tasks.weight_transfer import exposure
 
-    monkeypatch.setattr(engine, "DEVICE_ARENA_BYTES", 9 * 1024 + 512)
+    monkeypatch.setattr(exposure, "DEVICE_ARENA_BYTES", 9 * 1024 + 512)
     tensors = {f"w{i}": torch.zeros(256) for i in range(12)}  # 1 KiB each
     flat = torch.zeros(512)
     tensors |= {"f0": flat[:256], "f1": flat[256:]}  # a flat buffer: one home already
@@ -1863,7 +1876,7 @@ def test_vram_arena_bundles_follow_chunks(monkeypatch: pytest.MonkeyPatch) -> No
             4: pair(False, [["w11", "w3"]]),  # reads through NIXL: its chunks do not count
         }
     )
-    bundles = engine.WeightProducer._chunk_bundles(fake, tensors)  # type: ignore[arg-type]
+    bundles = exposure.chunk_bundles(fake._pairs.values(), tensors)  # type: ignore[arg-type]
     names = {id(t): n for n, t in tensors.items()}
     assert [[names[id(t)] for t in b] for b in bundles] == [
         ["w0", "w1", "w2", "w3", "w5", "w6", "w7", "w8", "w9"],

@@ -15,6 +15,16 @@ from vllm_dist.interfaces.coordinator import (
     RendezvousPortTakenError,
     WorkerCoordinator,
 )
+from vllm_dist.interfaces.dataplane import (
+    AsyncSendRecvCommunicator,
+    ExposedDescriptor,
+    OneSidedCommunicator,
+    PreparedReadCommunicator,
+    PreparedReadSet,
+    ReadHandle,
+    StridedReadCommunicator,
+    TransferHandle,
+)
 from vllm_dist.interfaces.launcher import (
     BackendUnavailableError,
     DistributedTask,
@@ -26,6 +36,14 @@ from vllm_dist.interfaces.launcher import (
 )
 
 __all__ = [
+    "AsyncSendRecvCommunicator",
+    "ExposedDescriptor",
+    "OneSidedCommunicator",
+    "PreparedReadCommunicator",
+    "PreparedReadSet",
+    "ReadHandle",
+    "StridedReadCommunicator",
+    "TransferHandle",
     "BackendUnavailableError",
     "CommOp",
     "CoordinatorTimeoutError",

@@ -1,33 +1,15 @@
 """Checks every communicator makes before a backend sees a tensor, and device defaults.
 
-The copy engine and arenas that lived here are in ``vllm_dist.memory``; the names other code
-still imports from here are re-exported (and, for the bookkeeping, shimmed) at the bottom.
+Copies and storage arenas are backend-free and live in ``vllm_dist.memory``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from vllm_dist.interfaces import WorkerCoordinator
-from vllm_dist.memory import (
-    DEVICE_ARENA_BYTES,
-    SHM_SPARE_BYTES,
-    SOLO_COPY_BYTES,
-    ArenaMap,
-    IndexedCopy,
-    RowGather,
-    StreamPool,
-    balance,
-    batched_copy,
-    shared_empty,
-    widest_views,
-)
-from vllm_dist.memory import CopyProgram as _MemoryCopyProgram
-from vllm_dist.memory import gather_device_storages as _gather_device_storages
-from vllm_dist.memory import share_storages as _share_storages
 
 
 def default_device(
@@ -109,91 +91,3 @@ def check_out(
     check_same(ref, out, "tensor_out")
     if tuple(out.shape) != shape:
         raise ValueError(f"tensor_out has shape {tuple(out.shape)}, expected {shape}")
-
-
-# --- shim: removed once callers pass their own ------------------------------------------------
-# The names below keep today's call signatures for the callers that do not yet own an
-# ``ArenaMap`` / ``StreamPool``: they use one process default of each.
-
-_DEFAULT_ARENAS = ArenaMap()  # shim: removed once callers pass their own
-_DEFAULT_STREAMS = StreamPool()  # shim: removed once callers pass their own
-
-
-def share_storages(tensors: Iterable[torch.Tensor], *, min_bytes: int = 0) -> int:
-    """``vllm_dist.memory.share_storages`` into the process default ``ArenaMap`` (shim)."""
-    return _share_storages(tensors, arenas=_DEFAULT_ARENAS, min_bytes=min_bytes)
-
-
-def gather_device_storages(
-    tensors: Iterable[torch.Tensor],
-    *,
-    max_bytes: int,
-    arena_bytes: int = DEVICE_ARENA_BYTES,
-    device: torch.device | str | None = None,
-) -> int:
-    """``vllm_dist.memory.gather_device_storages`` into the process default ``ArenaMap``
-    (shim)."""
-    return _gather_device_storages(
-        tensors,
-        arenas=_DEFAULT_ARENAS,
-        max_bytes=max_bytes,
-        arena_bytes=arena_bytes,
-        device=device,
-    )
-
-
-def arena_range(address: int) -> tuple[int, int] | None:
-    """``ArenaMap.range_of`` of the process default map (shim)."""
-    return _DEFAULT_ARENAS.range_of(address)
-
-
-def shared_arena(address: int) -> torch.Tensor | None:
-    """``ArenaMap.shared`` of the process default map (shim)."""
-    return _DEFAULT_ARENAS.shared(address)
-
-
-class CopyProgram(_MemoryCopyProgram):
-    """``vllm_dist.memory.CopyProgram`` taking ``graph=`` as before: a graph records on the
-    process default ``StreamPool`` (shim)."""
-
-    def __init__(
-        self,
-        dsts: list[torch.Tensor],
-        srcs: list[torch.Tensor],
-        *,
-        graph: bool = True,
-        staging: Callable[[int], torch.Tensor] | None = None,
-    ) -> None:
-        streams = _DEFAULT_STREAMS if graph else None
-        super().__init__(dsts, srcs, streams=streams, staging=staging)
-
-    @classmethod
-    def merged(  # type: ignore[override]
-        cls, programs: Sequence[_MemoryCopyProgram], *, graph: bool = True
-    ) -> CopyProgram:
-        return super().merged(programs, streams=_DEFAULT_STREAMS if graph else None)
-
-
-__all__ = [
-    "DEVICE_ARENA_BYTES",
-    "SHM_SPARE_BYTES",
-    "SOLO_COPY_BYTES",
-    "CopyProgram",
-    "IndexedCopy",
-    "RowGather",
-    "arena_range",
-    "balance",
-    "batched_copy",
-    "check_out",
-    "check_same",
-    "check_tensor",
-    "default_device",
-    "gather_device_storages",
-    "gathered_shape",
-    "scattered_shape",
-    "share_storages",
-    "shared_arena",
-    "shared_empty",
-    "shared_gpu_nccl_env",
-    "widest_views",
-]

@@ -7,19 +7,18 @@ K-slot serve rings and moves them through the communicator (one-sided reads wher
 send/recv otherwise).
 """
 
-from vllm_dist.tasks.weight_transfer.engine import (
+from vllm_dist.interfaces.dataplane import OneSidedCommunicator, ReadHandle
+from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
     Route,
     SyncStats,
     TransferConfig,
     UnservedNameError,
-    WeightConsumer,
-    WeightProducer,
     WeightTransferSetupError,
 )
+from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
 from vllm_dist.tasks.weight_transfer.groups import layer_index, layerwise_groups
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
-from vllm_dist.tasks.weight_transfer.onesided import OneSidedCommunicator, ReadHandle
 from vllm_dist.tasks.weight_transfer.ops import (
     ALLOWED_OPS,
     BakeError,
@@ -40,6 +39,7 @@ from vllm_dist.tasks.weight_transfer.plan import (
     build_chunks,
     pair_digest,
 )
+from vllm_dist.tasks.weight_transfer.producer import WeightProducer
 from vllm_dist.tasks.weight_transfer.ring import (
     FreeBarrier,
     ServeRing,

@@ -64,6 +64,9 @@ class WeightSource(ABC):
     def release_group(self, names: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Every consumer has the group's bytes: memory gathered for it may be freed."""
 
+    def begin_sync(self) -> None:  # noqa: B027 - optional hook
+        """A sync starts: the moment to look again at tensors the trainer may have replaced."""
+
     @property
     def resident(self) -> bool:
         """Whether ``open_group`` hands out tensors that live anyway (no gather, no copy), so

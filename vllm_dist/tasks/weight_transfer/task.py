@@ -23,13 +23,9 @@ import torch
 from vllm_dist import registry
 from vllm_dist.interfaces import CommOp, WorkerInfo
 from vllm_dist.tasks.base import GlobalCoordinatorDistributedTask
-from vllm_dist.tasks.weight_transfer.engine import (
-    Fleet,
-    Route,
-    TransferConfig,
-    WeightConsumer,
-    WeightProducer,
-)
+from vllm_dist.tasks.weight_transfer.config import Fleet, Route, TransferConfig
+from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
+from vllm_dist.tasks.weight_transfer.producer import WeightProducer
 from vllm_dist.tasks.weight_transfer.source import WeightSource
 
 

@@ -101,3 +101,17 @@ def slot_views(
 
 
 _RUN_VIEWS = 4  # items of one spec at one spacing made as one view, then split
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (what travels on the wire)."""
+    return t.reshape(-1).view(torch.uint8)

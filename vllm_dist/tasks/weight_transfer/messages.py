@@ -1,0 +1,282 @@
+"""Every message that crosses a process boundary in a weight transfer, as typed dataclasses.
+
+Two channels. The data plane's notifications (``notify`` / ``wait_notification``) carry bytes:
+``Ready`` (announcements), ``Done``, ``Alive`` and ``Replay``, each encoded here with ``struct``
+behind a versioned header and checked when decoded (``MessageError`` names what was wrong).
+The coordinator's object channel carries ``PlanMessage``, ``ReserveMessage`` and
+``AdmitMessage`` at set-up, and the exposure descriptors a ``Ready`` message flags
+(``Announcement.new_source``): those are the communicator's own objects, which only it can
+encode. Rejected: pickling announcements into notifications (a peer's bytes must never reach
+``pickle.loads``).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_dist.tasks.weight_transfer.index import ProducerFacts
+
+VERSION = 1
+"""The wire version; a message of another version is refused."""
+_MAGIC = b"WT"
+_HEADER = struct.Struct("<2sBB")  # magic, version, kind
+_READY, _DONE, _ALIVE, _REPLAY = 1, 2, 3, 4
+_KIND_NAMES = {_READY: "ready", _DONE: "done", _ALIVE: "alive", _REPLAY: "replay"}
+_SYNC = struct.Struct("<q")
+_SYNC_SEQ = struct.Struct("<qq")
+_COUNT = struct.Struct("<I")
+_ENTRY = struct.Struct("<qqqqBBH")  # sync, seq, offset, nbytes, flags, strides kind, len(source)
+_SPREAD_ITEM = struct.Struct("<qB")  # byte offset, number of strides
+_BLOB = struct.Struct("<I")
+_HAS_SOURCE, _NEW_SOURCE = 1, 2
+_NO_STRIDES, _FLAT, _PER_ITEM = 0, 1, 2
+_MEMO = 1 << 16  # encodings a codec remembers
+
+SPREAD = -1
+"""The offset of an announced chunk whose items are read in place one by one."""
+
+
+class MessageError(RuntimeError):
+    """Bytes that are not the message expected: wrong magic, version, kind or length."""
+
+
+@dataclass(slots=True)
+class Announcement:
+    """Chunk ``seq`` of sync ``sync`` is ready: ``nbytes`` at byte ``offset`` of the pair's
+    ring (``source`` None) or of the exposed buffer ``source``.
+
+    ``strides``: None for packed bytes; the element strides of the producer's view for a
+    one-item chunk read in place; ``((byte offset, strides), ...)`` per item when ``offset`` is
+    ``SPREAD``. ``new_source``: the descriptor of ``source`` travels beside this message,
+    through the coordinator (the first time this consumer hears of it).
+    """
+
+    sync: int
+    seq: int
+    offset: int
+    nbytes: int
+    source: str | None = None
+    strides: Any = None
+    new_source: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Consumer -> producer: every chunk of the pair up to ``seq`` of sync ``sync`` is read."""
+
+    sync: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Alive:
+    """Consumer -> producer: still in sync ``sync``, reading other producers first."""
+
+    sync: int
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Producer -> consumer: sync ``sync`` is ready, every chunk where the last sync had it."""
+
+    sync: int
+
+
+@dataclass(slots=True)
+class Ready:
+    """Producer -> consumer: several chunks of one pair are ready, in seq order."""
+
+    announcements: list[Announcement]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanMessage:
+    """Consumer -> producer at set-up (coordinator): the requests routed to that producer.
+
+    ``requests`` is ``encode_requests``'s payload, or a string when the consumer failed or
+    deferred its set-up; ``path`` the consumer's data path; ``strided`` / ``maps`` whether it
+    reads strided views, and on a mapping of the producer's memory."""
+
+    consumer_id: int
+    requests: Any
+    path: str
+    strided: bool
+    maps: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveMessage:
+    """Consumer -> producer at set-up (coordinator): ring bytes reserved and the plan digest."""
+
+    consumer_id: int
+    nbytes: int
+    digest: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitMessage:
+    """Producer -> joining consumer (coordinator): the sync count and, from producer 0, the
+    producers' facts."""
+
+    producer_id: int
+    syncs: int
+    facts: list[ProducerFacts] | None
+
+
+def _header(kind: int) -> bytes:
+    return _HEADER.pack(_MAGIC, VERSION, kind)
+
+
+def _kind(msg: bytes, what: str) -> int:
+    """The kind of ``msg`` after checking its header."""
+    if len(msg) < _HEADER.size:
+        raise MessageError(f"{what}: a message of {len(msg)} bytes is shorter than its header")
+    magic, version, kind = _HEADER.unpack_from(msg)
+    if magic != _MAGIC:
+        raise MessageError(f"{what}: not a weight-transfer message (starts {msg[:8]!r})")
+    if version != VERSION:
+        raise MessageError(
+            f"{what}: message version {version}, this side speaks {VERSION}: deploy both sides "
+            "from the same vllm_dist version"
+        )
+    if kind not in _KIND_NAMES:
+        raise MessageError(f"{what}: unknown message kind {kind}")
+    return int(kind)
+
+
+def _fixed(msg: bytes, body: struct.Struct, kind: int, what: str) -> tuple[Any, ...]:
+    if len(msg) != _HEADER.size + body.size:
+        raise MessageError(
+            f"{what}: a {_KIND_NAMES[kind]!r} message of {len(msg)} bytes, expected "
+            f"{_HEADER.size + body.size}"
+        )
+    return body.unpack_from(msg, _HEADER.size)
+
+
+def encode_done(sync: int, seq: int) -> bytes:
+    return _header(_DONE) + _SYNC_SEQ.pack(sync, seq)
+
+
+def encode_alive(sync: int) -> bytes:
+    return _header(_ALIVE) + _SYNC.pack(sync)
+
+
+def encode_replay(sync: int) -> bytes:
+    return _header(_REPLAY) + _SYNC.pack(sync)
+
+
+def decode_consumer_message(msg: bytes, what: str) -> Done | Alive:
+    """A message a consumer sends its producer during a sync."""
+    kind = _kind(msg, what)
+    if kind == _DONE:
+        sync, seq = _fixed(msg, _SYNC_SEQ, kind, what)
+        return Done(sync, seq)
+    if kind == _ALIVE:
+        return Alive(_fixed(msg, _SYNC, kind, what)[0])
+    raise MessageError(f"{what}: expected 'done' or 'alive', got a {_KIND_NAMES[kind]!r} message")
+
+
+class ReadyCodec:
+    """Encodes and decodes ``Ready`` messages; one per engine.
+
+    The per-item strides of a ``SPREAD`` chunk are the bulk of a message and the same every
+    sync: the producer encodes each strides object once (by identity) and the consumer decodes
+    each distinct encoding once, so a steady sync costs a dictionary hit per chunk.
+    """
+
+    def __init__(self) -> None:
+        self._encoded: dict[int, tuple[Any, bytes]] = {}
+        self._decoded: dict[bytes, Any] = {}
+
+    def encode(self, announcements: list[Announcement]) -> bytes:
+        parts = [_header(_READY), _COUNT.pack(len(announcements))]
+        for a in announcements:
+            source = b"" if a.source is None else a.source.encode()
+            flags = (a.source is not None) * _HAS_SOURCE | a.new_source * _NEW_SOURCE
+            strides = a.strides
+            if strides is None:
+                kind, tail = _NO_STRIDES, b""
+            elif a.offset == SPREAD:
+                kind, tail = _PER_ITEM, self._per_item(strides)
+            else:
+                kind = _FLAT
+                tail = bytes((len(strides),)) + struct.pack(f"<{len(strides)}q", *strides)
+            parts.append(_ENTRY.pack(a.sync, a.seq, a.offset, a.nbytes, flags, kind, len(source)))
+            parts.append(source)
+            parts.append(tail)
+        return b"".join(parts)
+
+    def _per_item(self, strides: Any) -> bytes:
+        hit = self._encoded.get(id(strides))
+        if hit is not None and hit[0] is strides:
+            return hit[1]
+        body = b"".join(
+            _SPREAD_ITEM.pack(off, len(st)) + struct.pack(f"<{len(st)}q", *st)
+            for off, st in strides
+        )
+        blob = _BLOB.pack(len(body)) + body
+        if len(self._encoded) >= _MEMO:
+            self._encoded.clear()  # sources moved many times: start over
+        self._encoded[id(strides)] = (strides, blob)  # keeps ``strides`` alive: ids stay unique
+        return blob
+
+    def decode(self, msg: bytes, what: str) -> Ready | Replay:
+        """A message a producer sends its consumer during a sync."""
+        kind = _kind(msg, what)
+        if kind == _REPLAY:
+            return Replay(_fixed(msg, _SYNC, kind, what)[0])
+        if kind != _READY:
+            raise MessageError(
+                f"{what}: expected 'ready' or 'replay', got a {_KIND_NAMES[kind]!r} message"
+            )
+        try:
+            return Ready(self._announcements(msg, what))
+        except (struct.error, UnicodeDecodeError, IndexError) as exc:
+            raise MessageError(f"{what}: a malformed 'ready' message ({exc})") from None
+
+    def _announcements(self, msg: bytes, what: str) -> list[Announcement]:
+        pos = _HEADER.size
+        (count,) = _COUNT.unpack_from(msg, pos)
+        pos += _COUNT.size
+        out = []
+        for _ in range(count):
+            sync, seq, offset, nbytes, flags, kind, n = _ENTRY.unpack_from(msg, pos)
+            pos += _ENTRY.size
+            source = msg[pos : pos + n].decode() if flags & _HAS_SOURCE else None
+            pos += n
+            strides: Any = None
+            if kind == _FLAT:
+                ndim = msg[pos]
+                strides = struct.unpack_from(f"<{ndim}q", msg, pos + 1)
+                pos += 1 + 8 * ndim
+            elif kind == _PER_ITEM:
+                (size,) = _BLOB.unpack_from(msg, pos)
+                blob = msg[pos + _BLOB.size : pos + _BLOB.size + size]
+                if len(blob) != size:
+                    raise MessageError(f"{what}: a 'ready' message cut short")
+                strides = self._items(blob)
+                pos += _BLOB.size + size
+            elif kind != _NO_STRIDES:
+                raise MessageError(f"{what}: unknown strides kind {kind}")
+            out.append(
+                Announcement(sync, seq, offset, nbytes, source, strides, bool(flags & _NEW_SOURCE))
+            )
+        if pos != len(msg):
+            raise MessageError(f"{what}: {len(msg) - pos} stray bytes after a 'ready' message")
+        return out
+
+    def _items(self, blob: bytes) -> Any:
+        hit = self._decoded.get(blob)
+        if hit is None:
+            items, pos = [], 0
+            while pos < len(blob):
+                off, ndim = _SPREAD_ITEM.unpack_from(blob, pos)
+                pos += _SPREAD_ITEM.size
+                items.append((off, struct.unpack_from(f"<{ndim}q", blob, pos)))
+                pos += 8 * ndim
+            if len(self._decoded) >= _MEMO:
+                self._decoded.clear()
+            hit = self._decoded[blob] = tuple(items)
+        return hit
