@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,45 @@ def test_remote_code_config_by_value_on_first_mp_launch(tmp_path: Path, clean: s
 def test_remote_code_config_by_value_on_first_ray_launch(tmp_path: Path, clean: str) -> None:
     pytest.importorskip("ray")
     _assert_ran_by_value(_first_launch("ray", tmp_path, clean), clean)
+
+
+def _leaf_only_modules(package: str) -> list[str]:
+    """Put ``package.repo.hash.configuration_x`` into ``sys.modules`` without its parents, as
+    transformers 5 leaves it; returns the names of what is now loaded under ``package``."""
+    leaf = types.ModuleType(f"{package}.repo.0123abcd.configuration_x")
+    exec("class XConfig:\n    width = 3\n", leaf.__dict__)
+    sys.modules[leaf.__name__] = leaf
+    return [leaf.__name__]
+
+
+@pytest.mark.forked  # changes sys.modules and the picklers' registries
+def test_prepare_registers_leaf_modules_with_both_picklers() -> None:
+    ray_pickle = pytest.importorskip("ray.cloudpickle")
+    import cloudpickle
+
+    from vllm_dist import serialization
+
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformers_modules"]:
+        del sys.modules[name]  # forked: the session's own modules are untouched
+    (leaf,) = _leaf_only_modules("transformers_modules")
+    serialization.prepare()
+    for pickler in (cloudpickle, ray_pickle):
+        assert leaf in pickler.list_registry_pickle_by_value(), pickler.__name__
+    config = sys.modules[leaf].XConfig()
+    data = serialization.dumps(config)
+    del sys.modules[leaf]  # a process without the module reads it all the same
+    assert serialization.loads(data).width == 3
+
+
+@pytest.mark.forked
+def test_register_by_value_takes_a_package_whose_leaf_alone_is_loaded() -> None:
+    import cloudpickle
+
+    from vllm_dist.serialization import register_by_value
+
+    (leaf,) = _leaf_only_modules("vd_dynamic_pkg")
+    register_by_value("vd_dynamic_pkg")  # the package itself was never imported
+    assert leaf in cloudpickle.list_registry_pickle_by_value()
 
 
 # -- exit code 0 is a success ----------------------------------------------------------------------
