@@ -153,7 +153,8 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         op: ReduceOp = ReduceOp.SUM,
     ) -> torch.Tensor:
         check_tensor(tensor_in, self._device, "tensor_in")
-        self._check_reduce_dtype(tensor_in.dtype)
+        if tensor_in.dtype not in REDUCE_DTYPES:
+            self._refuse_dtype(tensor_in.dtype)
         target = tensor_in
         if tensor_out is not None:
             check_out(tensor_out, tuple(tensor_in.shape), tensor_in, self._device)
@@ -181,7 +182,8 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         op: ReduceOp = ReduceOp.SUM,
     ) -> torch.Tensor:
         check_tensor(tensor_in, self._device, "tensor_in")
-        self._check_reduce_dtype(tensor_in.dtype)
+        if tensor_in.dtype not in REDUCE_DTYPES:
+            self._refuse_dtype(tensor_in.dtype)
         shape = scattered_shape(tensor_in, self._world)
         if tensor_out is None:
             tensor_out = torch.empty(shape, dtype=tensor_in.dtype, device=self._device)
@@ -262,14 +264,13 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             return dist.ReduceOp.AVG
         return _TORCH_OPS[op]
 
-    def _check_reduce_dtype(self, dtype: torch.dtype) -> None:
-        if dtype not in REDUCE_DTYPES:
-            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in REDUCE_DTYPES))
-            raise ValueError(
-                f"{self._backend} here reduces {names}, not {dtype}; cast the tensor (e.g. "
-                ".float()) before the reduction. Data movement (all_gather, broadcast, "
-                "send/recv) takes any dtype"
-            )
+    def _refuse_dtype(self, dtype: torch.dtype) -> None:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in REDUCE_DTYPES))
+        raise ValueError(
+            f"{self._backend} here reduces {names}, not {dtype}; cast the tensor (e.g. "
+            ".float()) before the reduction. Data movement (all_gather, broadcast, "
+            "send/recv) takes any dtype"
+        )
 
     def _check_peer(self, peer: int, allow_self: bool = False) -> None:
         if not 0 <= peer < self._world:

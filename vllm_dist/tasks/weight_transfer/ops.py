@@ -216,7 +216,7 @@ def check_chain(chain: Any) -> OpChain:
                 f"op {op!r} is not allowed in a weight-transfer op chain; producers replay only "
                 f"pure views: {sorted(ALLOWED_OPS)}"
             )
-        if op == "view" and _is_dtype_args(args):
+        if op == "view" and len(args) == 1 and type(args[0]) is torch.dtype:
             continue  # view(dtype): reinterpret the bytes
         for arg in args:
             _check_arg(op, arg)
