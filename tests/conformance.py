@@ -93,6 +93,122 @@ def _all_reduce_ops(comm: DeviceCommunicator, rank: int, world: int) -> None:
         _assert_all(t, value, f"all_reduce {op}")
 
 
+# the reduction dtypes a backend that declares none (no ``reduce_dtypes``) is held to
+DEFAULT_REDUCE_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+)
+# dtypes no built-in backend reduces: the first one a backend does not declare probes refusal
+_UNREDUCED_DTYPES = (torch.bool, torch.int16, torch.complex64, torch.uint16)
+
+
+def _reduce_dtypes(comm: DeviceCommunicator) -> list[torch.dtype]:
+    declared = getattr(comm, "reduce_dtypes", None)
+    dtypes = DEFAULT_REDUCE_DTYPES if declared is None else declared
+    return sorted(dtypes, key=str)
+
+
+def _expected_reduction(op: ReduceOp, dtype: torch.dtype, world: int) -> float:
+    """What reducing ``rank + 1`` over ``world`` ranks gives; integer AVG as ``ncclAvg`` does
+    (the sum's quotient rounded toward zero; the sum is positive here, so that is its floor)."""
+    total = world * (world + 1) // 2
+    if op is ReduceOp.AVG:
+        return total / world if dtype.is_floating_point else total // world
+    return {
+        ReduceOp.SUM: total,
+        ReduceOp.PRODUCT: math.factorial(world),
+        ReduceOp.MIN: 1,
+        ReduceOp.MAX: world,
+    }[op]
+
+
+def _reduce_or_untouched(call: Callable[[], Any], *tensors: torch.Tensor) -> None:
+    """Run ``call``; when it raises, every tensor in ``tensors`` must be as it was before."""
+    before = [t.clone() for t in tensors]
+    try:
+        call()
+    except Exception as exc:
+        for t, old in zip(tensors, before, strict=True):
+            if not torch.equal(t, old):
+                raise AssertionError(f"the call raised {exc!r} after changing its input") from exc
+        raise
+
+
+@check("all_reduce_every_op_every_dtype", CommOp.ALL_REDUCE)
+def _all_reduce_matrix(comm: DeviceCommunicator, rank: int, world: int) -> None:
+    for dtype in _reduce_dtypes(comm):
+        for op in ReduceOp:
+            what = f"all_reduce {op} {dtype}"
+            t = _full(comm, (33,), rank + 1, dtype)
+            _reduce_or_untouched(lambda t=t, op=op: comm.all_reduce(tensor_in=t, op=op), t)
+            _assert_all(t, _expected_reduction(op, dtype, world), what)
+            out = torch.empty_like(t)
+            src = _full(comm, (33,), rank + 1, dtype)
+            _reduce_or_untouched(
+                lambda src=src, out=out, op=op: comm.all_reduce(
+                    tensor_in=src, tensor_out=out, op=op
+                ),
+                src,
+            )
+            _assert_all(out, _expected_reduction(op, dtype, world), f"{what} out of place")
+            _assert_all(src, rank + 1, f"{what}: out-of-place input must be untouched")
+
+
+@check("reduce_scatter_every_op_every_dtype", CommOp.REDUCE_SCATTER)
+def _reduce_scatter_matrix(comm: DeviceCommunicator, rank: int, world: int) -> None:
+    for dtype in _reduce_dtypes(comm):
+        for op in ReduceOp:
+            t = _full(comm, (world * 5,), rank + 1, dtype)
+            out = _reduce_or_untouched_result(lambda t=t, op=op: comm.reduce_scatter(t, op=op), t)
+            assert tuple(out.shape) == (5,), out.shape
+            _assert_all(out, _expected_reduction(op, dtype, world), f"reduce_scatter {op} {dtype}")
+            _assert_all(t, rank + 1, f"reduce_scatter {op} {dtype}: input must be untouched")
+
+
+def _reduce_or_untouched_result(call: Callable[[], Any], *tensors: torch.Tensor) -> Any:
+    box: list[Any] = []
+    _reduce_or_untouched(lambda: box.append(call()), *tensors)
+    return box[0]
+
+
+@check("refused_call_leaves_input_untouched", CommOp.ALL_REDUCE)
+def _refused_untouched(comm: DeviceCommunicator, rank: int, world: int) -> None:
+    """Every refusal comes before any tensor is written: inputs keep their values. A dtype the
+    backend does not declare, or a ``tensor_out`` that does not fit, is bad input (ValueError /
+    TypeError)."""
+    declared = set(_reduce_dtypes(comm))
+    odd = next((d for d in _UNREDUCED_DTYPES if d not in declared), None)
+    probes: list[tuple[str, torch.Tensor, torch.Tensor | None, ReduceOp]] = []
+    if odd is not None:
+        for op in ReduceOp:  # values differ per rank, so a reduction that ran shows
+            t = _full(comm, (8,), rank % 2, odd)
+            probes.append((f"{odd} {op} in place", t, None, op))
+            probes.append((f"{odd} {op} out of place", t.clone(), torch.zeros_like(t), op))
+    src = _full(comm, (8,), rank + 1, torch.float32)
+    wrong_shape = torch.full((9,), -1.0, device=comm.device)
+    wrong_dtype = torch.full((8,), -1, dtype=torch.int32, device=comm.device)
+    probes.append(("tensor_out of another shape", src, wrong_shape, ReduceOp.SUM))
+    probes.append(("tensor_out of another dtype", src, wrong_dtype, ReduceOp.SUM))
+    for what, t, out, op in probes:
+        before = t.clone()
+        with pytest.raises((ValueError, TypeError)):
+            comm.all_reduce(tensor_in=t, tensor_out=out, op=op)
+        assert torch.equal(t, before), f"{what}: a refused all_reduce changed its input"
+    if odd is not None and CommOp.REDUCE_SCATTER in comm.supported_ops:
+        for op in ReduceOp:
+            t = _full(comm, (world * 2,), rank % 2, odd)
+            before = t.clone()
+            with pytest.raises((ValueError, TypeError)):
+                comm.reduce_scatter(t, op=op)
+            assert torch.equal(t, before), f"{odd} {op}: a refused reduce_scatter changed its input"
+
+
 @check("all_gather", CommOp.ALL_GATHER)
 def _all_gather(comm: DeviceCommunicator, rank: int, world: int) -> None:
     t = _full(comm, (2, 3), rank, torch.float32)

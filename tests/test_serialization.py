@@ -25,7 +25,13 @@ import pytest
 
 from tests.utils import distributed_test
 from vllm_dist import DistributedTask, LaunchError
-from vllm_dist.serialization import HF_DYNAMIC_PACKAGE, dumps, loads, register_by_value
+from vllm_dist.serialization import (
+    HF_DYNAMIC_PACKAGE,
+    dumps,
+    loads,
+    prepare,
+    register_by_value,
+)
 
 NO_MODULE = f"No module named '{HF_DYNAMIC_PACKAGE}'"
 
@@ -95,17 +101,17 @@ def empty_modules_cache(tmp_path: Path) -> dict[str, str]:
 
 def _plain_cloudpickle(obj: Any) -> bytes:
     """cloudpickle as it behaves without our registration (by reference for importable modules)."""
-    package = sys.modules[HF_DYNAMIC_PACKAGE]
-    try:
-        cloudpickle.unregister_pickle_by_value(package)
-        registered = True
-    except ValueError:  # not registered
-        registered = False
+    ours = [
+        name
+        for name in cloudpickle.list_registry_pickle_by_value()
+        if name.split(".")[0] == HF_DYNAMIC_PACKAGE
+    ]
+    for name in ours:  # unregistering reads only the name
+        cloudpickle.unregister_pickle_by_value(types.ModuleType(name))
     try:
         return cloudpickle.dumps(obj)
     finally:
-        if registered:
-            cloudpickle.register_pickle_by_value(package)
+        prepare()
 
 
 class UseConfigTask(DistributedTask):

@@ -26,24 +26,27 @@ def register_by_value(module: ModuleType | str) -> None:
     """Pickle classes and functions of ``module`` (and its submodules) by value from now on.
 
     Args:
-        module: an imported module or the name of one.
+        module: an imported module or the name of one; a package counts as imported when any
+            of its submodules is (``transformers`` may load only the leaf of a dynamic package).
 
     Raises:
-        ValueError: the module is not imported.
+        ValueError: neither the module nor any submodule of it is imported.
     """
     name = module if isinstance(module, str) else module.__name__
-    if name not in sys.modules:
+    if not _loaded_under((name,)):
         raise ValueError(f"module {name!r} is not imported; import it before registering it")
     _by_value.add(name)
-    _apply(name)
+    prepare()
 
 
-def _apply(name: str) -> None:
-    module = sys.modules.get(name)
-    if module is None:
-        return
-    for pickler in _picklers():
-        pickler.register_pickle_by_value(module)  # idempotent: a set of module names
+def _loaded_under(roots: tuple[str, ...]) -> list[ModuleType]:
+    """Every module in ``sys.modules`` named ``root`` or ``root.<anything>`` for some root."""
+    prefixes = tuple(f"{r}." for r in roots)
+    return [
+        module
+        for name, module in list(sys.modules.items())  # a copy: imports may run meanwhile
+        if isinstance(module, ModuleType) and (name in roots or name.startswith(prefixes))
+    ]
 
 
 def _picklers() -> list[Any]:
@@ -55,11 +58,22 @@ def _picklers() -> list[Any]:
 
 
 def prepare() -> None:
-    """Register every module that must travel by value; called before each dump."""
-    if HF_DYNAMIC_PACKAGE in sys.modules:
-        _apply(HF_DYNAMIC_PACKAGE)
-    for name in sorted(_by_value):
-        _apply(name)
+    """Register every module that must travel by value; called before each dump.
+
+    Each loaded module under ``transformers_modules`` or a ``register_by_value`` name is
+    registered itself, not only its package: cloudpickle registers only modules present in
+    ``sys.modules``, and with transformers 5 the dynamic package itself may never be imported
+    (only ``transformers_modules.<repo>.<hash>.configuration_x`` is). Idempotent.
+    """
+    modules = _loaded_under((HF_DYNAMIC_PACKAGE, *sorted(_by_value)))
+    if not modules:
+        return
+    for pickler in _picklers():
+        for module in modules:
+            try:
+                pickler.register_pickle_by_value(module)  # a set of module names
+            except ValueError:  # sys.modules holds it under another name than __name__
+                continue
 
 
 def dumps(obj: Any) -> bytes:

@@ -1,12 +1,14 @@
 """Version gates shared across packages: the one place a minimum dependency version lives.
 
+Versions compare in PEP 440 order (``packaging``), so a pre-release of the floor is older than
+the floor; rejected alternative: comparing numeric fields, which reads ``2.56.0rc1`` as ``2.56.0``.
 Tasks and implementations both need the Ray Direct Transport gate, and tasks may not import
 implementations, so it sits here, below both. Ray is imported only when the check runs.
 """
 
 from __future__ import annotations
 
-import itertools
+from packaging.version import InvalidVersion, Version
 
 RDT_MIN_RAY_VERSION = "2.56.0"
 
@@ -33,19 +35,17 @@ def check_ray_rdt_version(version: str | None = None) -> str:
                 "pip install 'vllm_dist[ray]'"
             ) from exc
         version = str(ray.__version__)
-    if _version_tuple(version) < _version_tuple(RDT_MIN_RAY_VERSION):
+    try:
+        too_old = Version(version) < Version(RDT_MIN_RAY_VERSION)  # 2.56.0rc1 < 2.56.0
+    except InvalidVersion as exc:
+        raise RayRdtUnavailableError(
+            f"Ray version {version!r} is not a PEP 440 version; Ray Direct Transport needs "
+            f"ray>={RDT_MIN_RAY_VERSION}: pip install -U 'ray[default]>={RDT_MIN_RAY_VERSION}'"
+        ) from exc
+    if too_old:
         raise RayRdtUnavailableError(
             f"Ray {version} is too old for Ray Direct Transport (tensor_transport='nixl'); "
             f"it needs ray>={RDT_MIN_RAY_VERSION}: "
             f"pip install -U 'ray[default]>={RDT_MIN_RAY_VERSION}'"
         )
     return version
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    """``"2.56.0rc1"`` -> ``(2, 56, 0)``: the first three numeric fields, 0 where none."""
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        parts.append(int(digits or 0))
-    return tuple(parts)

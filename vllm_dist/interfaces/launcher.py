@@ -181,7 +181,9 @@ class Launcher(ABC):
             **kwargs: passed unchanged to ``task.run`` on every worker.
 
         Returns:
-            The return value of every rank's ``run``, in rank order.
+            The return value of every rank's ``run``, in rank order. A rank whose task ends with
+            exit code 0 (``sys.exit(0)``, ``sys.exit()``) succeeded without a result: its entry
+            is None. Any other exit code is a failure.
 
         Raises:
             LaunchError: a worker raised, exited or was killed; names the rank(s), the exit code or

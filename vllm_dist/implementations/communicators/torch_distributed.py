@@ -3,6 +3,11 @@
 It makes its own process group over the coordinator's members (``use_local_synchronization`` so
 that groups are built independently), keeping data traffic off the coordinator's control group.
 Needs a ``TorchDistributedCoordinator``: both live in one torch.distributed world.
+
+Reductions give NCCL's results on every backend: gloo has no AVG, so it sums and divides, and
+integer AVG rounds the sum's quotient toward zero as ``ncclAvg`` does. A dtype outside
+``REDUCE_DTYPES`` is refused before any tensor is touched, on both backends (rejected
+alternative: let gloo raise mid-way, which can leave a sum in the caller's tensor).
 """
 
 from __future__ import annotations
@@ -25,6 +30,20 @@ from vllm_dist.implementations.coordinators.torch_distributed import (
     new_torch_group,
 )
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoordinator
+
+# the dtypes each backend reduces with every ReduceOp (the conformance suite checks each)
+REDUCE_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+    }
+)
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -117,6 +136,12 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         return None
 
     @property
+    def reduce_dtypes(self) -> frozenset[torch.dtype]:
+        """The dtypes all_reduce / reduce_scatter reduce, with every ``ReduceOp`` and the same
+        results on gloo and NCCL; others are refused before any tensor is touched."""
+        return REDUCE_DTYPES
+
+    @property
     def process_group(self) -> dist.ProcessGroup:
         """The data-plane group, for comparing against raw torch.distributed calls."""
         return self._require()
@@ -128,6 +153,8 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         op: ReduceOp = ReduceOp.SUM,
     ) -> torch.Tensor:
         check_tensor(tensor_in, self._device, "tensor_in")
+        if tensor_in.dtype not in REDUCE_DTYPES:
+            self._refuse_dtype(tensor_in.dtype)
         target = tensor_in
         if tensor_out is not None:
             check_out(tensor_out, tuple(tensor_in.shape), tensor_in, self._device)
@@ -155,6 +182,8 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         op: ReduceOp = ReduceOp.SUM,
     ) -> torch.Tensor:
         check_tensor(tensor_in, self._device, "tensor_in")
+        if tensor_in.dtype not in REDUCE_DTYPES:
+            self._refuse_dtype(tensor_in.dtype)
         shape = scattered_shape(tensor_in, self._world)
         if tensor_out is None:
             tensor_out = torch.empty(shape, dtype=tensor_in.dtype, device=self._device)
@@ -220,7 +249,10 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
         elif op is ReduceOp.AVG:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-            tensor.div_(self._world)
+            if tensor.is_floating_point():
+                tensor.div_(self._world)
+            else:  # ncclAvg on integers: C division of the sum, rounding toward zero
+                tensor.div_(self._world, rounding_mode="trunc")
         else:
             dist.all_reduce(tensor, op=self._torch_op(op), group=group)
 
@@ -231,6 +263,14 @@ class TorchDistributedCommunicator(DeviceCommunicator):
                 raise ValueError("gloo has no AVG reduce-scatter; use SUM and divide")
             return dist.ReduceOp.AVG
         return _TORCH_OPS[op]
+
+    def _refuse_dtype(self, dtype: torch.dtype) -> None:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in REDUCE_DTYPES))
+        raise ValueError(
+            f"{self._backend} here reduces {names}, not {dtype}; cast the tensor (e.g. "
+            ".float()) before the reduction. Data movement (all_gather, broadcast, "
+            "send/recv) takes any dtype"
+        )
 
     def _check_peer(self, peer: int, allow_self: bool = False) -> None:
         if not 0 <= peer < self._world:

@@ -52,9 +52,18 @@ def run_packed_task(packed: bytes, info: WorkerInfo) -> WorkerOutcome:
         registry.restore(snap)
         result = task_type(info).run(**kwargs)
         return WorkerOutcome(ok=True, payload=serialization.dumps(result))
+    except SystemExit as exc:
+        if exits_cleanly(exc.code):  # sys.exit(0): a success without a result, as in torchrun
+            return WorkerOutcome(ok=True, payload=serialization.dumps(None))
+        return WorkerOutcome(ok=False, traceback=traceback.format_exc())
     except BaseException as exc:  # noqa: BLE001 - the traceback is the report
         taken = isinstance(exc, RendezvousPortTakenError) and exc.port == info.master_port
         return WorkerOutcome(ok=False, traceback=traceback.format_exc(), port_taken=taken)
+
+
+def exits_cleanly(code: Any) -> bool:
+    """Whether ``sys.exit(code)`` ends a process with exit status 0 (``None``, 0, ``False``)."""
+    return code is None or (type(code) in (int, bool) and code == 0)
 
 
 def worker_env(env: dict[str, str], info: WorkerInfo) -> dict[str, str]:

@@ -212,6 +212,8 @@ class _Run:
             pass  # the worker closed its end without a result: it is exiting
         # the fds close a moment before the process becomes reapable; wait for its exit code
         self.procs[rank].join(timeout=5.0)
+        if self.procs[rank].exitcode == 0:  # os._exit(0) in the task: success, no result
+            return WorkerOutcome(ok=True, payload=serialization.dumps(None))
         return WorkerOutcome(ok=False)
 
     def _failure(self, rank: int, outcome: WorkerOutcome) -> WorkerFailure:
@@ -245,7 +247,7 @@ class _Run:
                     continue
             except (EOFError, OSError):
                 pass
-            if not self.procs[rank].is_alive():
+            if not self.procs[rank].is_alive() and self.procs[rank].exitcode != 0:
                 failures.append(self._failure(rank, WorkerOutcome(ok=False)))
 
     @staticmethod

@@ -7,9 +7,13 @@ the shape). Anything else a loader does — ``.to``, arithmetic, ``.item()``, ``
 real data or allocates, and fails at set-up with a ``BakeError`` instead of mid-transfer.
 
 The producer replays a chain as ``getattr(tensor, op)(*args)`` and refuses any op outside
-``ALLOWED_OPS`` and any argument that is not plain data (ints, slices, ``None``, ``...``), so a
-spoofed consumer cannot make a producer call an arbitrary method. Keyword arguments are turned
-into positional ones at bake time, so a chain is always ``(op, args)`` pairs.
+``ALLOWED_OPS`` and any argument that is not plain data (ints, slices, ``None``, ``...``, and a
+real ``torch.dtype`` as the one argument of ``view``, which reinterprets bytes: fp8, packed
+weights), so a spoofed consumer cannot make a producer call an arbitrary method. Types are
+compared exactly, never with ``isinstance``: a ``str`` subclass can lie about its hash and
+equality. Keyword arguments are turned into positional ones at bake time, so a chain is always
+``(op, args)`` pairs. A chain's result dtype is tracked (``chain_dtype``): a copy that
+reinterprets bytes must land in a destination of the same dtype, checked at bake.
 
 Rejected alternative: letting the producer run the consumer's loader (a pickled function) — that
 executes foreign code on trainer ranks and cannot be checked before the first sync.
@@ -76,6 +80,7 @@ class Copy:
     src_chain: OpChain
     dest_chain: OpChain
     shape: tuple[int, ...]
+    dtype: torch.dtype | None = None  # what ``src_chain`` produces; None: the weight's own
 
 
 def bake(
@@ -94,7 +99,9 @@ def bake(
 
     Raises:
         BakeError: the loader used an op that is not an allowed view, called something that needs
-            real data, or copied tensors of different shapes. The message names the weight.
+            real data, copied tensors of different shapes, or reinterpreted bytes
+            (``view(dtype)``) into a destination view of another dtype. The message names the
+            weight.
     """
     tape: list[Copy] = []
     cache = {} if meta_cache is None else meta_cache
@@ -197,20 +204,36 @@ def split_for_wire(chain: OpChain) -> tuple[OpChain, OpChain]:
 
 def check_chain(chain: Any) -> OpChain:
     """``chain`` if every op is allowed and every argument plain data, else ``UnsafeOpError``."""
-    if not isinstance(chain, tuple):
+    # exact types: a subclass of str or tuple can lie about equality, hashing or iteration
+    if type(chain) is not tuple:
         raise UnsafeOpError(f"an op chain must be a tuple of (op, args), got {type(chain)}")
     for step in chain:
-        if not (isinstance(step, tuple) and len(step) == 2 and isinstance(step[1], tuple)):
+        if not (type(step) is tuple and len(step) == 2 and type(step[1]) is tuple):
             raise UnsafeOpError(f"op chain step {step!r} is not an (op, args) pair")
         op, args = step
-        if not isinstance(op, str) or op not in ALLOWED_OPS:
+        if type(op) is not str or op not in ALLOWED_OPS:
             raise UnsafeOpError(
                 f"op {op!r} is not allowed in a weight-transfer op chain; producers replay only "
                 f"pure views: {sorted(ALLOWED_OPS)}"
             )
+        if op == "view" and len(args) == 1 and type(args[0]) is torch.dtype:
+            continue  # view(dtype): reinterpret the bytes
         for arg in args:
             _check_arg(op, arg)
-    return chain  # type: ignore[no-any-return]
+    return chain
+
+
+def chain_dtype(dtype: torch.dtype, chain: OpChain) -> torch.dtype:
+    """The dtype ``chain`` produces from a weight of ``dtype``: that of its last ``view(dtype)``."""
+    for op, args in chain:
+        if op == "view" and _is_dtype_args(args):
+            dtype = args[0]
+    return dtype
+
+
+def _is_dtype_args(args: tuple[Any, ...]) -> bool:
+    """``args`` is ``(dtype,)`` with a real ``torch.dtype`` (exact type, as everywhere here)."""
+    return len(args) == 1 and type(args[0]) is torch.dtype
 
 
 def _check_arg(op: str, arg: Any) -> None:
@@ -227,13 +250,15 @@ def _check_arg(op: str, arg: Any) -> None:
         return
     raise UnsafeOpError(
         f"op {op!r}: argument {arg!r} of type {type(arg).__name__} is not plain data "
-        "(ints, slices, None, ...)"
+        "(ints, slices, None, ..., or a torch.dtype as the only argument of view)"
     )
 
 
 def _positional(op: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
     if not kwargs:
         return args
+    if op == "view" and not args and set(kwargs) == {"dtype"}:
+        return (kwargs["dtype"],)
     sig = _SIGNATURES.get(op)
     if sig is None:
         raise BakeError(f".{op}() with keyword arguments {sorted(kwargs)}; pass them positionally")
@@ -345,7 +370,14 @@ class _Fake:
                 f"dest.copy_(src) with destination view shape {tuple(self.shape)} and source "
                 f"view shape {tuple(src.shape)}; shapes must match exactly (no broadcasting)"
             )
-        self._tape.append(Copy(src._chain, self._chain, tuple(src.shape)))
+        reinterprets = any(op == "view" and _is_dtype_args(a) for op, a in src._chain + self._chain)
+        if reinterprets and src.dtype != self.dtype:
+            raise BakeError(
+                f"dest.copy_(src) reinterprets bytes (view(dtype)) but the source view is "
+                f"{src.dtype} and the destination view {self.dtype}; a reinterpreted copy must "
+                "land in a view of the same dtype"
+            )
+        self._tape.append(Copy(src._chain, self._chain, tuple(src.shape), src.dtype))
         return self
 
     @classmethod

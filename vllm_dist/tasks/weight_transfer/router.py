@@ -108,20 +108,26 @@ class RdtRouter:
             ValueError: an empty or out-of-range owner set, or a class index that resolves to
                 no owner set.
         """
-        for k, owners in enumerate(self.owner_sets):
-            if not owners:
-                raise ValueError(f"owner set {k} is empty; every owner class needs a producer")
-            bad = [p for p in owners if not 0 <= p < self.num_producers]
-            if bad:
-                raise ValueError(
-                    f"owner set {k} has producers {bad} outside 0..{self.num_producers - 1}"
-                )
+        for k in range(len(self.owner_sets)):
+            self._check_owner_set(k)
         for name, k in self._class.items():
             if not isinstance(k, int) or not 0 <= k < len(self.owner_sets):
                 raise ValueError(
                     f"name {name!r} has owner class {k!r}, but only classes "
                     f"0..{len(self.owner_sets) - 1} exist"
                 )
+
+    def _check_owner_set(self, k: int) -> list[int]:
+        """Owner set ``k``, or the ``ValueError`` of ``validate`` when it cannot serve."""
+        owners = self.owner_sets[k]
+        if not owners:
+            raise ValueError(f"owner set {k} is empty; every owner class needs a producer")
+        bad = [p for p in owners if not 0 <= p < self.num_producers]
+        if bad:
+            raise ValueError(
+                f"owner set {k} has producers {bad} outside 0..{self.num_producers - 1}"
+            )
+        return owners
 
     def class_of(self, name: str) -> int:
         """The owner class of ``name`` (0 for a name the router was not given)."""
@@ -168,7 +174,7 @@ class RdtRouter:
                 raise ValueError(
                     f"name {name!r}: owner class {owner_class} does not exist; call validate()"
                 )
-            owners = self.owner_sets[owner_class]
+            owners = self._check_owner_set(owner_class)
             block = assign_producer_indices(len(owners), b, key[0])
             p = self._routes[key] = owners[block[group % len(block)]]
         return p
