@@ -20,8 +20,22 @@ import pytest
 import torch
 
 from tests.utils import distributed_test
-from vllm_dist import DistributedTask, LaunchError
-from vllm_dist.tasks.weight_transfer import RdtRouter, layerwise_groups, ops
+from vllm_dist import (
+    CommunicatorType,
+    CoordinatorType,
+    DistributedTask,
+    LaunchError,
+    MPLauncher,
+)
+from vllm_dist.tasks.weight_transfer import (
+    ConsumerSpec,
+    RdtRouter,
+    StateDictSource,
+    WeightSource,
+    WeightTransferTask,
+    layerwise_groups,
+    ops,
+)
 from vllm_dist.tasks.weight_transfer.ops import (
     BakeError,
     UnsafeOpError,
@@ -403,3 +417,54 @@ def test_check_chain_refuses_tuple_subclasses() -> None:
         check_chain((_TupleOf(("narrow", (0, 0, 1))),))
     with pytest.raises(UnsafeOpError):
         check_chain((("narrow", _TupleOf((0, 0, 1))),))
+
+
+# -- a view(dtype) loader end to end: the consumer's parameter holds the weight's bytes ----------
+
+
+def _reinterpret(dest: torch.Tensor, src: torch.Tensor) -> None:
+    dest.copy_(src.view(torch.int16))  # packed storage, as fp8 and quantized engines keep it
+
+
+class ViewDtypeTask(WeightTransferTask):
+    """One producer of bf16 weights; one consumer that keeps their bytes as int16."""
+
+    def make_source(self, producer_idx: int, num_producers: int, **_: Any) -> WeightSource:
+        g = torch.Generator().manual_seed(7)
+        self.weights = {
+            f"layers.{i}.w": torch.randn(64, 32, generator=g).bfloat16() for i in range(3)
+        }
+        return StateDictSource(self.weights)
+
+    def before_producer_sync(self, step: int, source: WeightSource, **_: Any) -> None:
+        for w in self.weights.values():
+            w.add_(1.0)
+
+    def make_consumer(self, consumer_idx: int, num_consumers: int, **_: Any) -> ConsumerSpec:
+        params = {f"layers.{i}.w": torch.zeros(64, 32, dtype=torch.int16) for i in range(3)}
+        return ConsumerSpec(params=params, route=lambda name: [(name, _reinterpret)])
+
+    def after_consumer_sync(self, step: int, spec: ConsumerSpec, **_: Any) -> Any:
+        g = torch.Generator().manual_seed(7)
+        want = [torch.randn(64, 32, generator=g).bfloat16() for _ in range(3)]
+        for w in want:
+            for _ in range(step + 1):
+                w.add_(1.0)  # as the producer did, in bf16 rounding
+        got = [spec.params[f"layers.{i}.w"].view(torch.bfloat16) for i in range(3)]
+        return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@distributed_test(timeout=300)
+@pytest.mark.parametrize("comm", ["torch_distributed", "nixl_rdt"])
+def test_view_dtype_loader_moves_the_weights_bytes_end_to_end(comm: str) -> None:
+    if comm == "nixl_rdt":
+        pytest.importorskip("nixl")
+    results = MPLauncher(2, timeout=240).launch(
+        task_type=ViewDtypeTask,
+        coordinator_type=CoordinatorType.TORCH_DISTRIBUTED,
+        communicator_type=CommunicatorType(comm),
+        num_producers=1,
+        num_consumers=1,
+        syncs=2,
+    )
+    assert results[1]["outputs"] == [True, True], results[1]

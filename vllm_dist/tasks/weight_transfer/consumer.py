@@ -288,7 +288,9 @@ class WeightConsumer(EngineBase):
                     if key is not None:
                         baked[key] = copies
                 for copy, wire in copies:
-                    requests.append(Request(name, copy.src_chain, copy.shape, meta.dtype, wire))
+                    # what the chain makes of the weight: a view(dtype) reinterprets its bytes
+                    dtype = meta.dtype if copy.dtype is None else str(copy.dtype)
+                    requests.append(Request(name, copy.src_chain, copy.shape, dtype, wire))
                     dests.append((param_name, copy.dest_chain))
         return requests, dests
 

@@ -33,6 +33,7 @@ from vllm_dist.tasks.weight_transfer.messages import ReserveMessage
 from vllm_dist.tasks.weight_transfer.ops import (
     OpChain,
     UnsafeOpError,
+    chain_dtype,
     check_chain,
     replay,
     split_for_wire,
@@ -314,9 +315,10 @@ class PlanCheck:
                 f"consumer {cid}: op chain {req.chain!r} does not apply to {req.name!r} "
                 f"of shape {meta.shape}: {exc}"
             ) from exc
-        if shape != tuple(req.shape) or req.dtype != meta.dtype or req.wire_shape != wire:
+        dtype = str(chain_dtype(meta.torch_dtype, req.chain))
+        if shape != tuple(req.shape) or req.dtype != dtype or req.wire_shape != wire:
             raise UnsafeOpError(
-                f"consumer {cid}: {req.name!r} through {req.chain!r} is {shape} {meta.dtype}, "
+                f"consumer {cid}: {req.name!r} through {req.chain!r} is {shape} {dtype}, "
                 f"(wire shape {wire}), but the request claims {req.shape} {req.dtype} "
                 f"(wire shape {req.wire_shape})"
             )
