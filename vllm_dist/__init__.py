@@ -34,6 +34,7 @@ from vllm_dist.registry import (
     register_coordinator,
     register_launcher,
 )
+from vllm_dist.run import run_task
 from vllm_dist.tasks.base import GlobalCoordinatorDistributedTask, GroupCoordinatorDistributedTask
 
 __version__ = "0.1.0"  # the one place the version lives; setup.cfg reads it
@@ -66,6 +67,7 @@ __all__ = [
     "register_communicator",
     "register_coordinator",
     "register_launcher",
+    "run_task",
 ]
 
 

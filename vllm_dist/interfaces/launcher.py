@@ -9,7 +9,7 @@ constructor so that ``launch(**kwargs)`` means the same thing under every launch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,32 +67,21 @@ class WorkerInfo:
         }
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> WorkerInfo:
-        """Read the torchrun variables, so that a task also runs under ``torchrun``.
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerInfo:
+        """This worker's place as the launcher that started it describes it: a vllm_dist
+        launcher or torchrun (``RANK``, ...), SLURM's srun (``SLURM_PROCID``, ...; rank 0's
+        host is the node list's first) or Open MPI's mpirun (``OMPI_COMM_WORLD_*``).
 
         Raises:
-            ValueError: a variable is missing; the message names it.
+            ValueError: a variable is missing or malformed; the message names it and the fix.
         """
         import os
 
-        env = dict(os.environ if environ is None else environ)
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
-        if missing:
-            raise ValueError(
-                f"missing environment variables {missing}: start the worker with a vllm_dist "
-                "launcher or torchrun, or set them yourself"
-            )
-        world_size = int(env["WORLD_SIZE"])
-        return cls(
-            rank=int(env["RANK"]),
-            world_size=world_size,
-            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
-            master_addr=env["MASTER_ADDR"],
-            master_port=int(env["MASTER_PORT"]),
-            node_rank=int(env.get("GROUP_RANK", 0)),
-            launch_id=env.get(LAUNCH_ID_ENV, ""),
-        )
+        from vllm_dist.interfaces.worker_env import worker_fields
+
+        fields = worker_fields(os.environ if environ is None else environ)
+        # restart_count is read for the launchers that set it; kept where WorkerInfo has it
+        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
