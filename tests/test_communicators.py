@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conformance import CommunicatorConformance
 from tests.utils import cuda_device_count
 from vllm_dist import (
     CommOp,
@@ -21,6 +20,7 @@ from vllm_dist import (
 from vllm_dist.implementations.communicators.torch_distributed import (
     TorchDistributedCommunicator,
 )
+from vllm_dist.testing import CommunicatorConformance
 
 
 class TestTorchDistributedCPU(CommunicatorConformance):
