@@ -242,6 +242,16 @@ def test_info_claims_no_cuda_backend_without_cuda() -> None:
     assert facts["devices"] == ["cpu"] and facts["cuda"].startswith("no (")
 
 
+@pytest.mark.skipif(not NO_CUDA, reason="checks a backend's own answer without CUDA")
+def test_nixl_rdt_itself_says_it_cannot_use_cuda_here() -> None:
+    pytest.importorskip("nixl")
+    from vllm_dist.implementations.communicators.nixl.communicator import NixlRdtCommunicator
+
+    reason = NixlRdtCommunicator.unavailable_reason("cuda")
+    assert reason is not None and "CUDA" in reason
+    assert NixlRdtCommunicator.unavailable_reason("cpu") is None
+
+
 def test_info_json_is_pure_json_and_reports_the_environment(tmp_path: Path) -> None:
     proc = run_cli_blocking(tmp_path, "ray", "info", "--json", NCCL_DEBUG="WARN", UCX_TLS="tcp")
     assert proc.returncode == 0, proc.stderr

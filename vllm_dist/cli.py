@@ -200,15 +200,12 @@ def _communicators_for(needed: tuple[frozenset[CommOp], ...], device: str | None
 def communicator_unavailable(cls: type, device: str) -> str | None:
     """Why ``cls`` cannot move ``device`` memory on this machine; None if it can.
 
-    Adds the CUDA check a backend may leave out of ``unavailable_reason`` (NIXL_RDT checks only
-    for its package) and never creates a CUDA context.
+    A backend's probe that itself imports what is missing counts as its answer.
     """
     try:
         reason = cls.unavailable_reason(device)  # type: ignore[attr-defined]
     except ImportError as exc:  # a probe that imports what is missing
         reason = str(exc)
-    if reason is None and device == "cuda":
-        reason = cuda_unavailable()
     return reason  # type: ignore[no-any-return]
 
 

@@ -528,6 +528,11 @@ class NixlRdtCommunicator(DeviceCommunicator):
 
         if importlib.util.find_spec("nixl") is None:
             return f"the nixl package is not installed ({INSTALL_HINT})"
+        if device_type == "cuda":
+            if torch.version.cuda is None:
+                return f"this torch build ({torch.__version__}) has no CUDA"
+            if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+                return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
         return None
 
     # -- internals ---------------------------------------------------------------------------
