@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,6 +57,35 @@ def _cell(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
     return str(v)
+
+
+class CaseProgress:
+    """One stderr line per finished case (``[3/8] case: summary``), so a long sweep shows where
+    it is; where stderr is a terminal, the case running now is shown on a line that the next
+    finished case overwrites. Stdout keeps only the tables."""
+
+    def __init__(self, total: int, stream: Any = None) -> None:
+        self.total, self.done_count = total, 0
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._started = time.perf_counter()
+
+    def start(self, case: str) -> None:
+        """Case ``case`` begins (shown only on a terminal)."""
+        self._started = time.perf_counter()
+        if self.tty:
+            self.stream.write(f"\r\033[K[{self.done_count + 1}/{self.total}] running {case} ...")
+            self.stream.flush()
+
+    def done(self, case: str, summary: str) -> None:
+        """Case ``case`` finished: one line with its result and how long it took."""
+        self.done_count += 1
+        took = time.perf_counter() - self._started
+        clear = "\r\033[K" if self.tty else ""
+        self.stream.write(
+            f"{clear}[{self.done_count}/{self.total}] {case}: {summary} ({took:.1f} s)\n"
+        )
+        self.stream.flush()
 
 
 def machine_facts() -> dict[str, Any]:

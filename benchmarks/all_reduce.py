@@ -5,8 +5,10 @@ and raw ``torch.distributed.all_reduce`` on the same process group (``TORCH_DIST
 torch NCCL group over the same ranks (other backends, e.g. ``PYNCCL``), interleaved round by round
 so drift hits both alike, and reports nccl-tests columns (time, algbw, busbw) side by side. On CUDA,
 small messages are also timed as CUDA-graph replays. Each call is timed on its own, ours and raw
-alternating, so the per-call delta is a median of paired differences (robust to drift). Targets (issue 2): at 64 MiB ours <= 1.05x
-raw; at 1 KiB at most 20 us more per call. PyNCCL (issue 3): >= 0.98x torch NCCL busbw at >= 64 MiB.
+alternating, so the per-call delta is a median of paired differences (robust to drift).
+Targets: at 64 MiB ours <= 1.05x raw; at 1 KiB at most 20 us more per call; PyNCCL >= 0.98x
+torch NCCL busbw at >= 64 MiB. The plot's log axes show both ends: time per call (the fixed
+overhead of small messages) and bus bandwidth (large ones).
 
     python benchmarks/all_reduce.py --world-size 2 [--device cuda] [--backends torch_distributed,pynccl]
 """
@@ -23,7 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import human, median, print_table, size_sweep, time_calls, write_outputs  # noqa: E402
+from _common import (  # noqa: E402
+    CaseProgress,
+    human,
+    median,
+    print_table,
+    size_sweep,
+    time_calls,
+    write_outputs,
+)
 
 from vllm_dist import (  # noqa: E402
     CommOp,
@@ -38,12 +48,17 @@ register_by_value(__name__)  # benchmark module is not importable from a worker'
 
 class AllReduceSweep(GlobalCoordinatorDistributedTask):
     def post_init_distributed(
-        self, sizes: list[int], rounds: int, graph_max: int, **_: Any
+        self, sizes: list[int], rounds: int, graph_max: int, backend: str = "", **_: Any
     ) -> list[dict[str, Any]]:
         raw_group = self._raw_group()
         world = self.coordinator.get_world_size()
+        # rank 0 reports each size as it finishes (stderr), outside the timed calls
+        progress = CaseProgress(len(sizes)) if self.coordinator.get_rank() == 0 else None
         rows = []
         for size in sizes:
+            case = f"all_reduce {backend} {human(max(1, size // 4) * 4)} float32"
+            if progress is not None:
+                progress.start(case)
             x = torch.ones(max(1, size // 4), dtype=torch.float32, device=self.device)
             iters = 100 if size <= 64 << 10 else 10 if size <= 4 << 20 else 3
             ours_fn = functools.partial(self.communicator.all_reduce, tensor_in=x)
@@ -67,6 +82,12 @@ class AllReduceSweep(GlobalCoordinatorDistributedTask):
                 row["ours_graph_s"] = self._graph_time(ours_fn) if capturable else None
                 row["raw_graph_s"] = self._graph_time(raw_fn)
             rows.append(row)
+            if progress is not None:
+                progress.done(
+                    case,
+                    f"ours {row['ours_s'] * 1e6:.1f} us, raw {row['raw_s'] * 1e6:.1f} us, "
+                    f"paired delta {row['paired_delta_s'] * 1e6:+.1f} us",
+                )
             x.fill_(1.0)
             self.communicator.all_reduce(tensor_in=x)
             assert x[0].item() == world, "all-reduce gave a wrong result"
@@ -117,6 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sizes=sizes,
             rounds=args.rounds,
             graph_max=64 << 10,
+            backend=backend,
         )
         results["backends"][backend] = ranks[0]
         _print(backend, ranks[0], args.world_size)
@@ -180,31 +202,36 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], png: str) -> None:
+    """Time per call and bus bandwidth against size, all axes log: the left panel shows the
+    small-size overhead (a flat floor), the right one how close large messages get to raw."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax_t, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.8))
     world = results["world_size"]
     factor = 2 * (world - 1) / world if world > 1 else 1.0
+    markers = iter(("o", "s", "^", "D", "v", "P"))
     for backend, rows in results["backends"].items():
         sizes = [r["bytes"] for r in rows]
-        ax.plot(
-            sizes,
-            [r["bytes"] / r["ours_s"] / 1e9 * factor for r in rows],
-            "o-",
-            label=f"{backend} (ours)",
-        )
-        ax.plot(
-            sizes,
-            [r["bytes"] / r["raw_s"] / 1e9 * factor for r in rows],
-            "x--",
-            label=f"{backend} raw torch.distributed",
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(f"all_reduce, world {world}, {results['device']}")
-    ax.legend()
-    ax.grid(True, alpha=0.3)
+        marker = next(markers, "o")
+        for key, style, label in (
+            ("ours_s", "-", f"{backend} (ours)"),
+            ("raw_s", "--", f"{backend}: raw torch.distributed"),
+        ):
+            fill = "full" if key == "ours_s" else "none"
+            kw = {"marker": marker, "linestyle": style, "fillstyle": fill, "label": label}
+            ax_t.plot(sizes, [r[key] * 1e6 for r in rows], **kw)
+            ax_bw.plot(sizes, [r["bytes"] / r[key] / 1e9 * factor for r in rows], **kw)
+    for ax in (ax_t, ax_bw):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.set_ylabel("time per call (us)")
+    ax_t.set_title("time per call: small sizes show the fixed overhead")
+    ax_bw.set_ylabel("bus bandwidth (GB/s)")
+    ax_bw.set_title("bus bandwidth")
+    ax_bw.legend(fontsize=8)
+    fig.suptitle(f"all_reduce float32 sum, world {world}, {results['device']}")
     fig.savefig(png, dpi=120, bbox_inches="tight")
 
 

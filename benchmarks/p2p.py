@@ -9,8 +9,9 @@ on one GPU, for 64 MiB and up.
 
     python benchmarks/p2p.py [--device cpu|cuda] [--quick] [--out bench_results/p2p.json]
 
-Prints a table, writes JSON and a PNG next to it. The JSON records which transport carried the
-bytes (``describe()`` of the communicator: NIXL backend, UCX settings).
+Prints a table, writes JSON and a PNG next to it; each size prints a line to stderr as it
+finishes. Sizes are exact MiB (2^20 bytes) of payload per transfer. The JSON records which
+transport carried the bytes (``describe()`` of the communicator: NIXL backend, UCX settings).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._common import CaseProgress  # noqa: E402
 from vllm_dist import (  # noqa: E402
     CommunicatorType,
     CoordinatorType,
@@ -63,15 +65,28 @@ def _timed(fn: Any, n: int, device: torch.device, barrier: Any = None) -> float:
     return times[len(times) // 2]
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MiB:g} MiB"
+
+
+def _report(progress: CaseProgress | None, case: str, nbytes: int, secs: float) -> None:
+    """One finished case on stderr (rank 0 only), outside the timed calls."""
+    if progress is not None:
+        progress.done(case, f"{secs * 1e6:.1f} us, {nbytes / secs / 1e9:.2f} GB/s")
+
+
 def copy_baseline(sizes: list[int], device: torch.device) -> dict[int, float]:
     """Seconds for one in-process copy of each size (copy_ on CPU, device-to-device on CUDA)."""
     out = {}
+    progress = CaseProgress(len(sizes))
     for n in sizes:
+        progress.start(f"in-process copy {_size(n)}")
         src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
         dst = torch.empty_like(src)
         dst.copy_(src)  # fault the pages in before timing
         out[n] = _timed(lambda s=src, d=dst: d.copy_(s), _iters(n), device)
         del src, dst
+        _report(progress, f"in-process copy {_size(n)}", n, out[n])
     return out
 
 
@@ -88,6 +103,7 @@ class NixlP2PTask(GlobalCoordinatorDistributedTask):
         comm.expose(local, "local")
         comm.exchange_exposed()
         rows: list[dict[str, Any]] = []
+        progress = CaseProgress(3 * len(sizes)) if rank == 0 else None
         self.coordinator.barrier()
         for n in sizes:
             if rank == 0:
@@ -96,12 +112,18 @@ class NixlP2PTask(GlobalCoordinatorDistributedTask):
                     ("read", lambda v=view: comm.read(1, "buf", v)),
                     ("write", lambda v=view: comm.write(1, "buf", v)),
                 ):
+                    if progress is not None:
+                        progress.start(f"nixl_rdt {op} {_size(n)}")
                     secs = _timed(fn, _iters(n), self.device)
                     rows.append({"op": op, "backend": "nixl_rdt", "bytes": n, "seconds": secs})
+                    _report(progress, f"nixl_rdt {op} {_size(n)}", n, secs)
             self.coordinator.barrier()
+            if progress is not None:
+                progress.start(f"nixl_rdt send_recv {_size(n)}")
             secs = self._send_recv(rank, local[:n], remote[:n], n)
             if rank == 0:
                 rows.append({"op": "send_recv", "backend": "nixl_rdt", "bytes": n, "seconds": secs})
+                _report(progress, f"nixl_rdt send_recv {_size(n)}", n, secs)
         self.coordinator.barrier()
         return {"rows": rows, "describe": comm.describe()}
 
@@ -122,16 +144,20 @@ class TorchP2PTask(GlobalCoordinatorDistributedTask):
         rank = self.coordinator.get_rank()
         buf = torch.ones(max(sizes), dtype=torch.uint8, device=self.device)
         rows = []
+        progress = CaseProgress(len(sizes)) if rank == 0 else None
         for n in sizes:
             iters = _iters(n)
             self.coordinator.barrier()
             if rank == 0:
+                if progress is not None:
+                    progress.start(f"torch_distributed send_recv {_size(n)}")
                 secs = _timed(
                     lambda b=buf[:n]: self.communicator.send(b, dst=1), iters, self.device
                 )
                 rows.append(
                     {"op": "send_recv", "backend": "torch_distributed", "bytes": n, "seconds": secs}
                 )
+                _report(progress, f"torch_distributed send_recv {_size(n)}", n, secs)
             else:
                 for _ in range(iters + 1):
                     self.communicator.recv(buf[:n], src=0)
@@ -223,7 +249,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     for r in sorted(
         rows, key=lambda r: (r["bytes"], r["backend"] != "in-process", r["op"], r["backend"])
     ):
-        size = f"{r['bytes'] / MiB:g} MiB"
+        size = _size(r["bytes"])
         print(
             f"{size:>10} {r['op']:>10} {r['backend']:>18} {r['seconds'] * 1e6:>12.1f} "
             f"{r['GBps']:>8.2f} {r['vs_copy']:>7.0%}"
@@ -239,13 +265,29 @@ def _plot(rows: list[dict[str, Any]], path: str, device: str) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install 'vllm_dist[bench]')")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         series.setdefault(f"{r['backend']} {r['op']}", []).append((r["bytes"], r["GBps"]))
-    for label, pts in sorted(series.items()):
+    # lines that coincide (READ and WRITE through one path) stay visible: each series has its
+    # own marker and dash pattern, hollow markers over filled ones
+    markers = ("o", "s", "^", "D", "v", "P", "X", "*")
+    dashes = ("-", "--", "-.", ":")
+    for i, (label, pts) in enumerate(sorted(series.items())):
         pts.sort()
-        ax.plot([p[0] / MiB for p in pts], [p[1] for p in pts], marker="o", label=label)
+        baseline = label.startswith("in-process")
+        ax.plot(
+            [p[0] / MiB for p in pts],
+            [p[1] for p in pts],
+            marker=markers[i % len(markers)],
+            linestyle="-" if baseline else dashes[i % len(dashes)],
+            fillstyle="full" if baseline else ("none" if i % 2 else "full"),
+            color="black" if baseline else None,
+            linewidth=2.5 if baseline else 1.5,
+            markersize=8 if i % 2 else 6,
+            alpha=0.9,
+            label=f"{label} (baseline)" if baseline else label,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("transfer size (MiB)")
     ax.set_ylabel("GB/s")

@@ -1,6 +1,6 @@
 """How long PyNcclCommunicator takes to set up, against NCCL's own ncclCommInitRank.
 
-Question (issue 3): is communicator set-up for N ranks within 2x of ``ncclCommInitRank``? For each
+Question: is communicator set-up for N ranks within 2x of ``ncclCommInitRank``? For each
 world size, every rank of one launch times, ``--repeats`` times each:
 
 - ``nccl_init``: ``ncclCommInitRank`` alone, the unique id already shared (NCCL's floor);
