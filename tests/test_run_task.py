@@ -33,6 +33,7 @@ KWARGS = {
 }
 EXPECTED = [
     {"rank": r, "world": 2, "local_rank": r, "local_world": 2, "sum": [3.0] * 4, "scale": 10}
+    | {"env": [str(r), "2", str(r)]}
     for r in range(2)
 ]
 _FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_")
@@ -63,6 +64,8 @@ class SumTask(GlobalCoordinatorDistributedTask):
             "local_world": info.local_world_size,
             "sum": t.tolist(),
             "scale": scale,
+            # the torchrun names, as every launcher (and run_task) sets them for user code
+            "env": [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")],
         }
 
 
