@@ -3,7 +3,7 @@
 By-value pickling of ``trust_remote_code`` classes on a first launch, tasks that exit with code 0,
 the router's ownerless names, ``view(dtype)`` loaders, pre-release versions, layer stacks of
 vision-language models, and op names of a lying ``str`` subclass. Integer AVG and refused
-reductions are in the conformance suite (tests/conformance.py).
+reductions are in the conformance suite (vllm_dist/testing/conformance.py).
 """
 
 from __future__ import annotations
