@@ -7,6 +7,7 @@ import struct
 import pytest
 
 from vllm_dist.tasks.weight_transfer.messages import (
+    MAX_DESCRIPTOR,
     SPREAD,
     VERSION,
     Alive,
@@ -22,9 +23,10 @@ from vllm_dist.tasks.weight_transfer.messages import (
     encode_replay,
 )
 
+_DESC = b'{"v":1,"name":"wt-src-p0-1"}'  # opaque to the codec: the communicator reads it
 _ANNOUNCEMENTS = [
     Announcement(3, 0, 0, 4096),  # packed into the ring
-    Announcement(3, 1, 512, 1024, "wt-src-p0-1", None, True),  # in place, contiguous
+    Announcement(3, 1, 512, 1024, "wt-src-p0-1", None, _DESC),  # in place, first sight
     Announcement(3, 2, 64, 2048, "wt-src-p0-1", (1, 4096)),  # in place, strided
     Announcement(3, 3, SPREAD, 96, "wt-src-p0-2", ((0, (1,)), (256, (8, 1)), (1024, ()))),
 ]
@@ -74,3 +76,44 @@ def test_wrong_type_is_refused() -> None:
         decode_consumer_message(b"\x80\x04" + struct.pack("<qq", 1, 2), "test")
     with pytest.raises(MessageError, match="unknown message kind 9"):
         decode_consumer_message(b"WT" + bytes((VERSION, 9)), "test")
+
+
+def test_descriptor_only_on_first_sight() -> None:
+    codec = ReadyCodec()
+    first = Announcement(3, 1, 512, 1024, "wt-src-p0-1", None, _DESC)
+    steady = Announcement(4, 1, 512, 1024, "wt-src-p0-1")
+    got = ReadyCodec().decode(codec.encode([first]), "test")
+    assert isinstance(got, Ready) and got.announcements == [first]
+    assert got.announcements[0].descriptor == _DESC
+    grown = len(codec.encode([first])) - len(codec.encode([steady]))
+    assert grown == 4 + len(_DESC)  # a length prefix and the bytes, nothing else
+    with pytest.raises(ValueError, match="for a named source"):
+        codec.encode([Announcement(3, 0, 0, 64, None, None, _DESC)])
+    with pytest.raises(ValueError, match="descriptor of 0 bytes"):
+        codec.encode([Announcement(3, 0, 0, 64, "wt-src-p0-1", None, b"")])
+
+
+def _with_descriptor_length(length: int) -> bytes:
+    """A one-announcement 'ready' message whose descriptor length field says ``length``."""
+    msg = bytearray(
+        ReadyCodec().encode([Announcement(3, 1, 512, 1024, "wt-src-p0-1", None, _DESC)])
+    )
+    at = msg.index(_DESC) - 4
+    struct.pack_into("<I", msg, at, length)
+    return bytes(msg)
+
+
+def test_bad_descriptor_lengths_are_refused() -> None:
+    msg = ReadyCodec().encode([Announcement(3, 1, 512, 1024, "wt-src-p0-1", None, _DESC)])
+    with pytest.raises(MessageError, match="cut short in a descriptor"):
+        ReadyCodec().decode(msg[:-3], "test")  # truncated inside the descriptor
+    with pytest.raises(MessageError, match="cut short in a descriptor"):
+        ReadyCodec().decode(_with_descriptor_length(len(_DESC) + 1), "test")  # past the end
+    with pytest.raises(MessageError, match="stray bytes"):
+        ReadyCodec().decode(_with_descriptor_length(len(_DESC) - 1), "test")
+    with pytest.raises(MessageError, match=f"descriptor of {MAX_DESCRIPTOR + 1} bytes"):
+        ReadyCodec().decode(_with_descriptor_length(MAX_DESCRIPTOR + 1), "test")
+    with pytest.raises(MessageError, match="descriptor of 0 bytes"):
+        ReadyCodec().decode(_with_descriptor_length(0), "test")
+    with pytest.raises(MessageError, match="malformed 'ready'"):
+        ReadyCodec().decode(msg[: msg.index(_DESC) - 2], "test")  # cut in the length itself

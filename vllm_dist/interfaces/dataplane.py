@@ -45,7 +45,8 @@ class TransferHandle(Protocol):
 
 @runtime_checkable
 class ExposedDescriptor(Protocol):
-    """What ``expose`` returns: handed to peers (through the coordinator) to import."""
+    """What ``expose`` returns: handed to peers to import, as an object (the coordinator) or
+    as ``to_bytes`` (a notification), which the peer's ``decode_exposed`` reads back."""
 
     @property
     def name(self) -> str:
@@ -55,6 +56,10 @@ class ExposedDescriptor(Protocol):
     @property
     def mapping(self) -> Any:
         """What a same-node peer needs to map the buffer, or None (peers go through the wire)."""
+        ...
+
+    def to_bytes(self) -> bytes:
+        """The descriptor as bytes for a byte channel; never a pickle."""
         ...
 
 
@@ -77,7 +82,7 @@ class OneSidedCommunicator(Protocol):
 
     ``expose`` registers a local tensor under ``name``; ``exchange_exposed`` (collective) makes
     every member's exposures addressable; ``import_exposed`` does so for one descriptor received
-    out of band. ``read_async`` copies ``local``'s bytes from byte ``remote_offset`` of a peer's
+    out of band (``decode_exposed`` reads one that came as bytes). ``read_async`` copies ``local``'s bytes from byte ``remote_offset`` of a peer's
     buffer; ``read_batch_async`` is one request over ``ByteRead`` triples. ``notify`` /
     ``wait_notification`` (``TimeoutError`` after ``timeout``) carry small messages, in order per
     peer. Ranks are the communicator's group ranks.
@@ -97,6 +102,10 @@ class OneSidedCommunicator(Protocol):
 
     def import_exposed(self, desc: Any) -> None:
         """Make a peer's descriptor (received out of band) addressable."""
+        ...
+
+    def decode_exposed(self, data: bytes) -> ExposedDescriptor:
+        """The descriptor a peer's ``ExposedDescriptor.to_bytes`` wrote; ValueError if malformed."""
         ...
 
     def read_async(

@@ -4,10 +4,12 @@ Two channels. The data plane's notifications (``notify`` / ``wait_notification``
 ``Ready`` (announcements), ``Done``, ``Alive`` and ``Replay``, each encoded here with ``struct``
 behind a versioned header and checked when decoded (``MessageError`` names what was wrong).
 The coordinator's object channel carries ``PlanMessage``, ``ReserveMessage`` and
-``AdmitMessage`` at set-up, and the exposure descriptors a ``Ready`` message flags
-(``Announcement.new_source``): those are the communicator's own objects, which only it can
-encode. Rejected: pickling announcements into notifications (a peer's bytes must never reach
-``pickle.loads``).
+``AdmitMessage`` at set-up. An announcement of a source the consumer has not heard of carries
+that source's exposure descriptor as opaque bytes (``ExposedDescriptor.to_bytes``, read back by
+the communicator's ``decode_exposed``), so it arrives with the message that names it. Rejected:
+pickling announcements into notifications (a peer's bytes must never reach ``pickle.loads``),
+and sending descriptors beside them through the coordinator (a thread per pair and a second
+channel to wait on).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from vllm_dist.tasks.weight_transfer.index import ProducerFacts
 
-VERSION = 1
+VERSION = 2
 """The wire version; a message of another version is refused."""
 _MAGIC = b"WT"
 _HEADER = struct.Struct("<2sBB")  # magic, version, kind
@@ -30,9 +32,12 @@ _COUNT = struct.Struct("<I")
 _ENTRY = struct.Struct("<qqqqBBH")  # sync, seq, offset, nbytes, flags, strides kind, len(source)
 _SPREAD_ITEM = struct.Struct("<qB")  # byte offset, number of strides
 _BLOB = struct.Struct("<I")
+_DESCRIPTOR = struct.Struct("<I")  # length of the descriptor bytes that follow the source name
 _HAS_SOURCE, _NEW_SOURCE = 1, 2
 _NO_STRIDES, _FLAT, _PER_ITEM = 0, 1, 2
 _MEMO = 1 << 16  # encodings a codec remembers
+MAX_DESCRIPTOR = 1 << 24
+"""The largest exposure descriptor a 'ready' message may carry, in bytes."""
 
 SPREAD = -1
 """The offset of an announced chunk whose items are read in place one by one."""
@@ -49,8 +54,8 @@ class Announcement:
 
     ``strides``: None for packed bytes; the element strides of the producer's view for a
     one-item chunk read in place; ``((byte offset, strides), ...)`` per item when ``offset`` is
-    ``SPREAD``. ``new_source``: the descriptor of ``source`` travels beside this message,
-    through the coordinator (the first time this consumer hears of it).
+    ``SPREAD``. ``descriptor``: the exposure descriptor of ``source`` as bytes, carried only
+    the first time this consumer hears of ``source`` (import it before reading), else None.
     """
 
     sync: int
@@ -59,7 +64,7 @@ class Announcement:
     nbytes: int
     source: str | None = None
     strides: Any = None
-    new_source: bool = False
+    descriptor: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +199,8 @@ class ReadyCodec:
         parts = [_header(_READY), _COUNT.pack(len(announcements))]
         for a in announcements:
             source = b"" if a.source is None else a.source.encode()
-            flags = (a.source is not None) * _HAS_SOURCE | a.new_source * _NEW_SOURCE
+            desc = a.descriptor
+            flags = (a.source is not None) * _HAS_SOURCE | (desc is not None) * _NEW_SOURCE
             strides = a.strides
             if strides is None:
                 kind, tail = _NO_STRIDES, b""
@@ -205,6 +211,14 @@ class ReadyCodec:
                 tail = bytes((len(strides),)) + struct.pack(f"<{len(strides)}q", *strides)
             parts.append(_ENTRY.pack(a.sync, a.seq, a.offset, a.nbytes, flags, kind, len(source)))
             parts.append(source)
+            if desc is not None:  # first sight of ``source`` only: steady messages stay as they are
+                if a.source is None or not 0 < len(desc) <= MAX_DESCRIPTOR:
+                    raise ValueError(
+                        f"a descriptor of {len(desc)} bytes for source {a.source!r}: one of 1 to "
+                        f"{MAX_DESCRIPTOR} bytes, for a named source, may be announced"
+                    )
+                parts.append(_DESCRIPTOR.pack(len(desc)))
+                parts.append(desc)
             parts.append(tail)
         return b"".join(parts)
 
@@ -246,6 +260,9 @@ class ReadyCodec:
             pos += _ENTRY.size
             source = msg[pos : pos + n].decode() if flags & _HAS_SOURCE else None
             pos += n
+            desc = self._descriptor(msg, pos, flags, what) if flags & _NEW_SOURCE else None
+            if desc is not None:
+                pos += _DESCRIPTOR.size + len(desc)
             strides: Any = None
             if kind == _FLAT:
                 ndim = msg[pos]
@@ -260,12 +277,26 @@ class ReadyCodec:
                 pos += _BLOB.size + size
             elif kind != _NO_STRIDES:
                 raise MessageError(f"{what}: unknown strides kind {kind}")
-            out.append(
-                Announcement(sync, seq, offset, nbytes, source, strides, bool(flags & _NEW_SOURCE))
-            )
+            out.append(Announcement(sync, seq, offset, nbytes, source, strides, desc))
         if pos != len(msg):
             raise MessageError(f"{what}: {len(msg) - pos} stray bytes after a 'ready' message")
         return out
+
+    @staticmethod
+    def _descriptor(msg: bytes, pos: int, flags: int, what: str) -> bytes:
+        """The length-prefixed descriptor bytes at ``pos``, their length checked."""
+        if not flags & _HAS_SOURCE:
+            raise MessageError(f"{what}: a descriptor announced without a source name")
+        (size,) = _DESCRIPTOR.unpack_from(msg, pos)
+        if not 0 < size <= MAX_DESCRIPTOR:
+            raise MessageError(
+                f"{what}: a descriptor of {size} bytes, expected 1 to {MAX_DESCRIPTOR}"
+            )
+        start = pos + _DESCRIPTOR.size
+        desc = msg[start : start + size]
+        if len(desc) != size:
+            raise MessageError(f"{what}: a 'ready' message cut short in a descriptor")
+        return desc
 
     def _items(self, blob: bytes) -> Any:
         hit = self._decoded.get(blob)

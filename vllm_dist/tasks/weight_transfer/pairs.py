@@ -21,7 +21,7 @@ from vllm_dist.tasks.weight_transfer._memory import CopyProgram, batched_copy
 from vllm_dist.tasks.weight_transfer.messages import Announcement
 from vllm_dist.tasks.weight_transfer.ops import OpChain
 from vllm_dist.tasks.weight_transfer.plan import Chunk
-from vllm_dist.tasks.weight_transfer.ring import SerialWorker, ServeRing, Waitable
+from vllm_dist.tasks.weight_transfer.ring import SerialWorker, ServeRing
 from vllm_dist.tasks.weight_transfer.views import ViewCache, slot_views
 
 
@@ -90,23 +90,15 @@ class ProducerPair(Pair):
     # READ path, per sync
     told: set[str] = field(default_factory=set)  # exposed sources this consumer knows
     outbox: list[Announcement] = field(default_factory=list)  # not yet sent
-    outbox_descs: list[Any] = field(default_factory=list)  # their new sources' descriptors
     outbox_bytes: int = 0  # bytes of the chunks queued since the last announcement
     outbox_packed: int = 0  # ring slots packed since the last announcement
     slot_seq: dict[int, int] = field(default_factory=dict)  # slot -> last seq packed
     packs: int = 0  # chunks packed this sync (the next one takes slot packs % K)
     announced: int = 0  # bytes announced this sync
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # (seq, group) unread
-    desc_sender: SerialWorker | None = None  # sends descriptors through the coordinator
-    desc_sends: list[Waitable] = field(default_factory=list)  # ... not known to be done
     # push path, per sync
     failed: threading.Event = field(default_factory=threading.Event)  # a chunk failed
     error: Exception | None = None  # why this pair failed this sync
-
-    def close(self) -> None:
-        Pair.close(self)
-        if self.desc_sender is not None:
-            self.desc_sender.close()
 
     def sources(
         self, chunk: Chunk, tensors: Mapping[str, torch.Tensor], cache: ViewCache

@@ -295,6 +295,14 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._peers.load(rank, desc.metadata, desc.epoch, full=True)
         self._peers.exposed[rank][desc.name] = desc
 
+    def decode_exposed(self, data: bytes) -> ExposedBuffer:
+        """The ``ExposedBuffer`` a peer's ``to_bytes`` wrote (checked JSON, never a pickle).
+
+        Raises:
+            ValueError: ``data`` is not a descriptor of this version.
+        """
+        return ExposedBuffer.from_bytes(data)
+
     @property
     def maps_peer_memory(self) -> bool:
         """Whether one-sided transfers with same-node peers run as copies on a mapping of their

@@ -207,10 +207,23 @@ class ConsumerRead(ConsumerPath):
             )
             return
         announced = message.announcements
-        if any(a.new_source for a in announced):  # sources exposed for us: addressable now
-            for desc in self.coordinator.recv_object(self._pairs[p].peer_rank):
-                self._one.import_exposed(desc)
+        for a in announced:  # sources exposed for us, first sight: addressable before reads
+            if a.descriptor is not None:
+                self._import_descriptor(a, what)
         inbox[p].extend(announced)
+
+    def _import_descriptor(self, a: Announcement, what: str) -> None:
+        """Import the descriptor ``a`` carries (the communicator decodes it; no pickle) and
+        drop its bytes: announcements are kept for replays, descriptors are not needed again."""
+        assert a.descriptor is not None
+        try:
+            desc = self._one.decode_exposed(a.descriptor)
+        except ValueError as exc:
+            raise RuntimeError(f"{what}: the descriptor of {a.source!r}: {exc}") from exc
+        if desc.name != a.source:
+            raise RuntimeError(f"{what}: a descriptor of {desc.name!r} announced for {a.source!r}")
+        self._one.import_exposed(desc)
+        a.descriptor = None
 
     def _announced(self, chunk: Chunk, inbox: dict[int, deque[Any]], *, block: bool) -> bool:
         """Whether ``chunk``'s announcement is in the inbox, fetching messages (waiting for

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,7 +37,7 @@ from vllm_dist.tasks.weight_transfer.pairs import ProducerPair, Record
 from vllm_dist.tasks.weight_transfer.paths.base import ProducerPath
 from vllm_dist.tasks.weight_transfer.paths.replay import ProducerReplay
 from vllm_dist.tasks.weight_transfer.plan import Chunk
-from vllm_dist.tasks.weight_transfer.ring import FreeBarrier, SerialWorker, wait_or_stall
+from vllm_dist.tasks.weight_transfer.ring import FreeBarrier
 
 if TYPE_CHECKING:
     from vllm_dist.tasks.weight_transfer.config import SyncStats
@@ -108,17 +107,12 @@ class ProducerRead(ProducerPath):
             self.replay.snapshot(group, tensors)
 
     def finish(self, barrier: FreeBarrier) -> None:
-        """Announce what is left, take every 'done', make sure descriptors were received."""
+        """Announce what is left and take every 'done'."""
         self._announce_all()
-        timeout = self.config.stall_timeout
         for cid, pair in self._pairs.items():
             while pair.pending:
                 self._take_done(cid, pair, barrier, block=True)
-            what = f"producer {self.producer_id}: descriptors to consumer {cid}"
-            for handle in pair.desc_sends:  # received: the consumer read every chunk
-                wait_or_stall(handle, timeout, what)
-            pair.desc_sends.clear()
-        barrier.wait_all(timeout)
+        barrier.wait_all(self.config.stall_timeout)
 
     def end(self) -> None:
         self.exposure.end_sync()
@@ -152,11 +146,9 @@ class ProducerRead(ProducerPath):
                     chunk.nbytes,
                     name,
                     strides,
-                    desc is not None,
+                    None if desc is None else desc.to_bytes(),  # first sight: in the message
                 )
             )
-            if desc is not None:
-                pair.outbox_descs.append(desc)
         else:
             index = pair.packs % pair.ring.slots
             pair.packs += 1
@@ -196,23 +188,11 @@ class ProducerRead(ProducerPath):
                 device_synchronize(self.communicator.device)
                 self._dirty = False
             self.engine._mark(f"announce {pair.peer_rank} x{len(pair.outbox)}")
-            if pair.outbox_descs:  # through the coordinator, beside the message that names them
-                descs, pair.outbox_descs = pair.outbox_descs, []
-                self._send_descriptors(pair, descs)
             self._tell(pair, self._codec.encode(pair.outbox), "what is ready")
             pair.outbox = []
         pair.announced += pair.outbox_bytes
         pair.outbox_bytes = 0
         pair.outbox_packed = 0
-
-    def _send_descriptors(self, pair: ProducerPair, descs: list[Any]) -> None:
-        """Hand ``descs`` to the pair's consumer through the coordinator, from a thread of the
-        pair's: a coordinator send waits for the matching receive, which the consumer posts
-        only once it reads the announcement that names them."""
-        if pair.desc_sender is None:
-            pair.desc_sender = SerialWorker(f"wt-desc-r{pair.peer_rank}")
-        send = partial(self.coordinator.send_object, descs, pair.peer_rank)
-        pair.desc_sends.append(pair.desc_sender.submit(send))
 
     def _tell(self, pair: ProducerPair, message: bytes, what: str) -> None:
         """Notify ``pair``'s consumer; a failure (the consumer is gone: NIXL reports the
