@@ -86,6 +86,20 @@ class NixlOptions:
             )
 
 
+def unavailable_reason(device_type: str) -> str | None:
+    """Why NIXL_RDT cannot run on ``device_type`` here (the package, CUDA), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("nixl") is None:
+        return f"the nixl package is not installed ({INSTALL_HINT})"
+    if device_type == "cuda":
+        if torch.version.cuda is None:
+            return f"this torch build ({torch.__version__}) has no CUDA"
+        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+    return None
+
+
 def load_nixl() -> Any:
     """NIXL's Python API module; an ImportError naming the install command without it."""
     try:

@@ -34,7 +34,6 @@ import torch
 from vllm_dist.implementations.communicators.common import check_tensor, default_device
 from vllm_dist.implementations.communicators.nixl.agent import (
     CUDA_IPC_GET_ZCOPY,
-    INSTALL_HINT,
     AgentSlot,
     NixlOptions,
     Peers,
@@ -42,6 +41,7 @@ from vllm_dist.implementations.communicators.nixl.agent import (
     load_nixl,
     mem_type,
     new_agent,
+    unavailable_reason,
 )
 from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
 from vllm_dist.implementations.communicators.nixl.mapping import PeerMaps
@@ -532,16 +532,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
 
     @classmethod
     def unavailable_reason(cls, device_type: str) -> str | None:
-        import importlib.util
-
-        if importlib.util.find_spec("nixl") is None:
-            return f"the nixl package is not installed ({INSTALL_HINT})"
-        if device_type == "cuda":
-            if torch.version.cuda is None:
-                return f"this torch build ({torch.__version__}) has no CUDA"
-            if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-                return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
-        return None
+        return unavailable_reason(device_type)
 
     # -- internals ---------------------------------------------------------------------------
     def _one_sided(
