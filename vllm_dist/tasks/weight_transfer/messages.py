@@ -194,33 +194,53 @@ class ReadyCodec:
     def __init__(self) -> None:
         self._encoded: dict[int, tuple[Any, bytes]] = {}
         self._decoded: dict[bytes, Any] = {}
+        # names and flat strides repeat every sync: each is encoded / decoded once
+        self._names: dict[str, bytes] = {}
+        self._flat: dict[tuple[int, ...], bytes] = {}
+        self._source_of: dict[bytes, str] = {}
+        self._strides_of: dict[bytes, tuple[int, ...]] = {}
 
     def encode(self, announcements: list[Announcement]) -> bytes:
         parts = [_header(_READY), _COUNT.pack(len(announcements))]
+        append, entry, names = parts.append, _ENTRY.pack, self._names
         for a in announcements:
-            source = b"" if a.source is None else a.source.encode()
-            desc = a.descriptor
-            flags = (a.source is not None) * _HAS_SOURCE | (desc is not None) * _NEW_SOURCE
-            strides = a.strides
+            src, desc, strides = a.source, a.descriptor, a.strides
+            source, flags = b"", 0
+            if src is not None:
+                known = names.get(src)
+                if known is None and len(names) >= _MEMO:
+                    names.clear()
+                source = names[src] = src.encode() if known is None else known
+                flags = _HAS_SOURCE
             if strides is None:
                 kind, tail = _NO_STRIDES, b""
             elif a.offset == SPREAD:
                 kind, tail = _PER_ITEM, self._per_item(strides)
             else:
-                kind = _FLAT
-                tail = bytes((len(strides),)) + struct.pack(f"<{len(strides)}q", *strides)
-            parts.append(_ENTRY.pack(a.sync, a.seq, a.offset, a.nbytes, flags, kind, len(source)))
-            parts.append(source)
+                kind, tail = _FLAT, self._flat_bytes(strides)
+            if desc is not None:
+                flags |= _NEW_SOURCE
+            append(entry(a.sync, a.seq, a.offset, a.nbytes, flags, kind, len(source)))
+            append(source)
             if desc is not None:  # first sight of ``source`` only: steady messages stay as they are
-                if a.source is None or not 0 < len(desc) <= MAX_DESCRIPTOR:
+                if src is None or not 0 < len(desc) <= MAX_DESCRIPTOR:
                     raise ValueError(
-                        f"a descriptor of {len(desc)} bytes for source {a.source!r}: one of 1 to "
+                        f"a descriptor of {len(desc)} bytes for source {src!r}: one of 1 to "
                         f"{MAX_DESCRIPTOR} bytes, for a named source, may be announced"
                     )
-                parts.append(_DESCRIPTOR.pack(len(desc)))
-                parts.append(desc)
-            parts.append(tail)
+                append(_DESCRIPTOR.pack(len(desc)))
+                append(desc)
+            append(tail)
         return b"".join(parts)
+
+    def _flat_bytes(self, strides: tuple[int, ...]) -> bytes:
+        tail = self._flat.get(strides)
+        if tail is None:
+            if len(self._flat) >= _MEMO:
+                self._flat.clear()
+            tail = bytes((len(strides),)) + struct.pack(f"<{len(strides)}q", *strides)
+            self._flat[tuple(strides)] = tail
+        return tail
 
     def _per_item(self, strides: Any) -> bytes:
         hit = self._encoded.get(id(strides))
@@ -254,33 +274,52 @@ class ReadyCodec:
         pos = _HEADER.size
         (count,) = _COUNT.unpack_from(msg, pos)
         pos += _COUNT.size
-        out = []
+        out: list[Announcement] = []
+        unpack, size = _ENTRY.unpack_from, _ENTRY.size
         for _ in range(count):
-            sync, seq, offset, nbytes, flags, kind, n = _ENTRY.unpack_from(msg, pos)
-            pos += _ENTRY.size
-            source = msg[pos : pos + n].decode() if flags & _HAS_SOURCE else None
+            sync, seq, offset, nbytes, flags, kind, n = unpack(msg, pos)
+            pos += size
+            source = self._source(msg[pos : pos + n]) if flags & _HAS_SOURCE else None
             pos += n
             desc = self._descriptor(msg, pos, flags, what) if flags & _NEW_SOURCE else None
             if desc is not None:
                 pos += _DESCRIPTOR.size + len(desc)
             strides: Any = None
             if kind == _FLAT:
-                ndim = msg[pos]
-                strides = struct.unpack_from(f"<{ndim}q", msg, pos + 1)
-                pos += 1 + 8 * ndim
+                end = pos + 1 + 8 * msg[pos]
+                strides = self._flat_strides(msg[pos:end])
+                pos = end
             elif kind == _PER_ITEM:
-                (size,) = _BLOB.unpack_from(msg, pos)
-                blob = msg[pos + _BLOB.size : pos + _BLOB.size + size]
-                if len(blob) != size:
+                (nblob,) = _BLOB.unpack_from(msg, pos)
+                blob = msg[pos + _BLOB.size : pos + _BLOB.size + nblob]
+                if len(blob) != nblob:
                     raise MessageError(f"{what}: a 'ready' message cut short")
                 strides = self._items(blob)
-                pos += _BLOB.size + size
+                pos += _BLOB.size + nblob
             elif kind != _NO_STRIDES:
                 raise MessageError(f"{what}: unknown strides kind {kind}")
             out.append(Announcement(sync, seq, offset, nbytes, source, strides, desc))
         if pos != len(msg):
             raise MessageError(f"{what}: {len(msg) - pos} stray bytes after a 'ready' message")
         return out
+
+    def _source(self, raw: bytes) -> str:
+        source = self._source_of.get(raw)
+        if source is None:
+            if len(self._source_of) >= _MEMO:
+                self._source_of.clear()
+            source = self._source_of[raw] = raw.decode()
+        return source
+
+    def _flat_strides(self, raw: bytes) -> tuple[int, ...]:
+        strides = self._strides_of.get(raw)
+        if strides is None:
+            ndim = raw[0]
+            strides = struct.unpack_from(f"<{ndim}q", raw, 1)  # struct.error when cut short
+            if len(self._strides_of) >= _MEMO:
+                self._strides_of.clear()
+            self._strides_of[raw] = strides
+        return strides
 
     @staticmethod
     def _descriptor(msg: bytes, pos: int, flags: int, what: str) -> bytes:
