@@ -52,7 +52,11 @@ class FleetSpec:
 
 
 def plan_fleet(
-    spec: FleetSpec, *, measure_memory: bool = True, link: LinkModel | None = None
+    spec: FleetSpec,
+    *,
+    measure_memory: bool = True,
+    link: LinkModel | None = None,
+    rotate: bool = False,
 ) -> tuple[dict[str, Any], DryRun]:
     """Dry-run ``spec``; a JSON-ready report and the run itself."""
     start = time.perf_counter()
@@ -79,6 +83,7 @@ def plan_fleet(
         strided=spec.strided,
         sample=spec.sample,
         measure_memory=measure_memory,
+        rotate=rotate,
     )
     link = link or PRESETS[spec.link]
     pred = predict(run, link)
@@ -91,7 +96,7 @@ def plan_fleet(
     prod_s = [c.seconds for c in run.producers.values()]
     pair_bytes = [p.nbytes for p in run.pairs]
     report: dict[str, Any] = {
-        "fleet": spec.name,
+        "fleet": spec.name + (" [rotating router]" if rotate else ""),
         "model": spec.model,
         "params_b": total / 2e9,
         "model_bytes": total,

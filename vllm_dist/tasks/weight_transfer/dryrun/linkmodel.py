@@ -33,10 +33,11 @@ class LinkModel:
     local_gbs: float = 1292.0  # a read between ranks on one device
     pack_gbs: float = 1500.0  # a producer's pack copy (HBM read + write)
     gpus_per_node: int = 8
-    latency_s: float = 5e-6  # per message round (one pipeline round of the serve ring)
+    latency_s: float = 20e-6  # per message round (a network round trip)
     per_chunk_s: float = 2e-6  # the consumer's work per chunk (post a read, unpack launch)
     per_sync_s: float = 0.5e-3  # control messages and the replay launch
     ring_slots: int = 2
+    replayed: bool = True  # the steady state: one message per consumer, every read posted at once
     shared_device: bool = False  # every rank on one device (a one-GPU or one-host run)
 
     def with_bandwidth(self, factor: float) -> LinkModel:
@@ -54,17 +55,25 @@ PRESETS: dict[str, LinkModel] = {
     # inference and trainer GPUs on separate nodes, 400 Gb/s RDMA per GPU
     "h100_rdma": LinkModel(),
     "h200_rdma": LinkModel(local_gbs=1700.0, pack_gbs=2000.0),
-    # every rank on one H100: local_gbs is the READ bandwidth measured at 8 GB (the
-    # asymptote), per_sync_s fitted to the 1 GB sync (the other cases are held out)
-    "h100_one_gpu": LinkModel(shared_device=True, per_chunk_s=1e-6, per_sync_s=0.40e-3),
-    # every rank on one CPU host (shared memory): local_gbs is the READ bandwidth of the
-    # 400 MB case; per_sync_s and per_chunk_s fitted to the two Llama cases (MoE held out)
+    # every rank on one H100: local_gbs and per_sync_s fitted to the raw READs (not the
+    # syncs) of 1 GB and 8 GB (t = a + bytes / bw); per_chunk_s assumed
+    "h100_one_gpu": LinkModel(
+        shared_device=True,
+        local_gbs=1382.0,
+        pack_gbs=1382.0,
+        per_chunk_s=0.3e-6,
+        per_sync_s=0.41e-3,
+        latency_s=0.0,
+    ),
+    # every rank on one CPU host (shared memory): local_gbs fitted to the raw READs of 100 and
+    # 400 MB; per_sync_s and per_chunk_s fitted to those two syncs (MoE held out)
     "cpu_shm": LinkModel(
         shared_device=True,
-        local_gbs=15.9,
-        pack_gbs=15.9,
-        per_chunk_s=20e-6,
-        per_sync_s=0.8e-3,
+        local_gbs=15.7,
+        pack_gbs=15.7,
+        per_chunk_s=18e-6,
+        per_sync_s=0.77e-3,
+        latency_s=0.0,
     ),
 }
 
@@ -100,7 +109,7 @@ def predict(run: DryRun, link: LinkModel) -> Prediction:
         chunks_c[pair.consumer] += pair.chunks
         out_p[pair.producer] += pair.nbytes * scale
         pack_p[pair.producer] += pair.packed_bytes * scale
-        rounds = max(rounds, -(-pair.chunks // link.ring_slots))
+        rounds = max(rounds, 1 if link.replayed else -(-pair.chunks // link.ring_slots))
     total = out_p.sum()
     gb = 1e9
     if link.shared_device:  # one memory serves every read and every pack

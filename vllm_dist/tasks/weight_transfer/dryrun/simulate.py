@@ -17,6 +17,7 @@ scales producer loads by the replica count, exact by that property (the tests ch
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import tracemalloc
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from vllm_dist.tasks.weight_transfer.config import Fleet, TransferConfig
 from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
 from vllm_dist.tasks.weight_transfer.plan import Chunk, cut_chunks, encode_requests, plan_digest
+from vllm_dist.tasks.weight_transfer.router import RdtRouter, assign_producer_indices
 from vllm_dist.tasks.weight_transfer.setup import PlanCheck, ShapeCache, pair_layout
 from vllm_dist.tasks.weight_transfer.source import WeightMeta
 
@@ -153,12 +155,14 @@ def dry_run(
     strided: bool = False,
     sample: int | None = None,
     measure_memory: bool = False,
+    rotate: bool = False,
 ) -> DryRun:
     """Plan every pair of the fleet with the engine's own set-up code.
 
     ``layout_of(worker)`` gives a worker's (meta params, routes by HF name). ``strided``: the
     consumers' READ path with strided reads (``pair_layout``). ``measure_memory``: trace the
     peak Python allocation of the index, consumer 0 and the most loaded producer (slower).
+    ``rotate``: plan with ``RotatingRouter`` (a proposed rule) instead of the engine's router.
     """
     config = config or TransferConfig(workers_per_replica=workers_per_replica)
     num_producers = len(facts)
@@ -171,6 +175,8 @@ def dry_run(
     _traced(measure_memory)
     start = time.perf_counter()
     index = build_index(facts, num_consumers, workers_per_replica)
+    if rotate:
+        index = dataclasses.replace(index, router=RotatingRouter.like(index))
     index_s = time.perf_counter() - start
     run = DryRun(
         num_producers,
@@ -206,6 +212,46 @@ def dry_run(
         run.pairs.extend(_pair_plans(cid, consumer.chunks))
     _check_producers(run, index, plans, config, strided, measure_memory)
     return run
+
+
+class RotatingRouter(RdtRouter):
+    """A proposed rule where an owner class has fewer owners than a replica has workers:
+    worker w takes group g of the class from ``owners[(w + g) % len(owners)]`` instead of
+    ``owners[w * len(owners) // workers]`` for every group. With expert-parallel consumers
+    the workers that need one expert shard are neighbours, so the block rule sends them all
+    to one owner; rotating spreads them, and each group, over every owner. Where owners are
+    at least as many as workers, the block rule stands."""
+
+    @classmethod
+    def like(cls, index: ModelIndex) -> RotatingRouter:
+        r = index.router
+        router = cls(
+            r.num_producers,
+            r.num_consumers,
+            owner_sets=r.owner_sets,
+            name_owner_class=index.class_ids.tolist(),
+            names=index.names,
+            group_lens=[len(g) for g in index.groups],
+            workers_per_replica=r.workers_per_replica,
+        )
+        router.validate()
+        return router
+
+    def producer_for_group(
+        self, consumer_id: int, group: int, owner_class: int, name: str = "?"
+    ) -> int:
+        b = self.workers_per_replica
+        key = (consumer_id % b, owner_class, group)
+        p = self._routes.get(key)
+        if p is None:
+            owners = self._check_owner_set(owner_class)
+            if len(owners) >= b:
+                block = assign_producer_indices(len(owners), b, key[0])
+                p = owners[block[group % len(block)]]
+            else:
+                p = owners[(key[0] + group) % len(owners)]
+            self._routes[key] = p
+        return p
 
 
 def _router(routes: Any) -> Any:
