@@ -91,7 +91,7 @@ def plan_fleet(
     load = run.producer_load()
     need = {p.consumer: 0 for p in run.pairs}
     for p in run.pairs:
-        need[p.consumer] += p.nbytes
+        need[p.consumer] += p.payload
     cons_s = [run.consumers[c].seconds for c in run.simulated]
     prod_s = [c.seconds for c in run.producers.values()]
     pair_bytes = [p.nbytes for p in run.pairs]

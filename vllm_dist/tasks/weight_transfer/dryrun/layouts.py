@@ -133,12 +133,14 @@ def consumer_layout(
     *,
     expert_parallel: bool = False,
     head_dim: int = 128,
+    device: str = "meta",
 ) -> tuple[dict[str, torch.Tensor], Routes]:
     """Meta-device parameters and routes of worker ``rank`` of a ``tp``-wide replica.
 
     With ``expert_parallel`` the routed experts are split whole over the replica's workers
     (vLLM's EP: expert e lives on worker ``e * tp // E``); else every worker holds a TP slice
     of every expert. Attention, dense and shared-expert MLPs are tensor parallel either way.
+    ``device="cpu"`` gives real parameters (a small fleet's real launch).
     """
     by_name = {m.name: m for m in metas}
     params: dict[str, torch.Tensor] = {}
@@ -147,7 +149,7 @@ def consumer_layout(
 
     def param(name: str, shape: tuple[int, ...], dtype: str) -> str:
         if name not in params:
-            params[name] = torch.empty(shape, dtype=dtype_from_str(dtype), device="meta")
+            params[name] = torch.zeros(shape, dtype=dtype_from_str(dtype), device=device)
         return name
 
     def part(rows: int) -> tuple[int, int]:

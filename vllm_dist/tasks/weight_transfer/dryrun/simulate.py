@@ -31,7 +31,13 @@ from vllm_dist.interfaces import DeviceCommunicator, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.config import Fleet, TransferConfig
 from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
 from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts, build_index
-from vllm_dist.tasks.weight_transfer.plan import Chunk, cut_chunks, encode_requests, plan_digest
+from vllm_dist.tasks.weight_transfer.plan import (
+    Chunk,
+    cut_chunks,
+    encode_requests,
+    item_sizes,
+    plan_digest,
+)
 from vllm_dist.tasks.weight_transfer.router import RdtRouter, assign_producer_indices
 from vllm_dist.tasks.weight_transfer.setup import PlanCheck, ShapeCache, pair_layout
 from vllm_dist.tasks.weight_transfer.source import WeightMeta
@@ -64,7 +70,8 @@ class PairPlan:
 
     producer: int
     consumer: int
-    nbytes: int
+    nbytes: int  # on the wire: chunk sizes, alignment padding included
+    payload: int  # the bytes the consumer's requests need
     chunks: int
     items: int
     packed_bytes: int  # bytes in chunks of several items (the producer packs them)
@@ -209,7 +216,7 @@ def dry_run(
         run.consumers[cid] = RankCost(time.perf_counter() - start, _peak(measure), len(payloads))
         run.chunks[cid] = consumer.chunks
         plans[cid] = (consumer, payloads)
-        run.pairs.extend(_pair_plans(cid, consumer.chunks))
+        run.pairs.extend(_pair_plans(cid, consumer.chunks, item_sizes(consumer.requests)))
     _check_producers(run, index, plans, config, strided, measure_memory)
     return run
 
@@ -281,7 +288,7 @@ def _consumer_digests(
     return out
 
 
-def _pair_plans(cid: int, chunks: list[Chunk]) -> list[PairPlan]:
+def _pair_plans(cid: int, chunks: list[Chunk], sizes: list[int]) -> list[PairPlan]:
     by: dict[int, list[Chunk]] = {}
     for c in chunks:
         by.setdefault(c.producer, []).append(c)
@@ -290,6 +297,7 @@ def _pair_plans(cid: int, chunks: list[Chunk]) -> list[PairPlan]:
             producer=p,
             consumer=cid,
             nbytes=sum(c.nbytes for c in cs),
+            payload=sum(sizes[i] for c in cs for i in c.items),
             chunks=len(cs),
             items=sum(len(c.items) for c in cs),
             packed_bytes=sum(c.nbytes for c in cs if len(c.items) > 1),
