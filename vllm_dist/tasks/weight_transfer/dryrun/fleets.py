@@ -63,15 +63,9 @@ def plan_fleet(
     metas = model_metas(MODELS[spec.model])
     facts = producer_facts(metas, spec.producer_layout, spec.producers)
     build_s = time.perf_counter() - start
-    layouts: dict[int, Any] = {}
 
-    def layout_of(worker: int) -> Any:
-        hit = layouts.pop(worker, None)  # built once per worker, dropped once used
-        if hit is None:
-            hit = consumer_layout(
-                metas, spec.replica_tp, worker, expert_parallel=spec.expert_parallel
-            )
-        return hit
+    def layout_of(worker: int) -> Any:  # built when the worker is simulated, then dropped
+        return consumer_layout(metas, spec.replica_tp, worker, expert_parallel=spec.expert_parallel)
 
     run = dry_run(
         metas,
@@ -86,8 +80,15 @@ def plan_fleet(
         rotate=rotate,
     )
     link = link or PRESETS[spec.link]
+    report = _report(spec, run, link, model_bytes(metas))
+    report["metadata_s"] = build_s
+    report["wall_s"] = time.perf_counter() - start
+    return report, run
+
+
+def _report(spec: FleetSpec, run: DryRun, link: LinkModel, total: int) -> dict[str, Any]:
+    """What the scale question asks of one fleet, JSON-ready."""
     pred = predict(run, link)
-    total = model_bytes(metas)
     load = run.producer_load()
     need = {p.consumer: 0 for p in run.pairs}
     for p in run.pairs:
@@ -108,7 +109,6 @@ def plan_fleet(
         "replica": f"tp{spec.replica_tp}" + (" ep" if spec.expert_parallel else ""),
         "simulated_consumers": len(run.simulated),
         "sampled": len(run.simulated) != spec.consumers,
-        "metadata_s": build_s,
         "index_s": run.index_seconds,
         "index_peak_mb": _mb(run.index_peak_bytes),
         "consumer_setup_s_max": max(cons_s),
@@ -137,11 +137,10 @@ def plan_fleet(
         "rounds": pred.rounds,
         "anchor_s": spec.anchor_s,
         "anchor_note": spec.anchor_note,
-        "wall_s": time.perf_counter() - start,
     }
     if spec.producer_layout.kind == "fsdp":
         report["fsdp_gather_s"] = fsdp_gather_s(total, spec.producers, link)
-    return report, run
+    return report
 
 
 def _mb(n: int | None) -> float | None:
