@@ -82,6 +82,8 @@ def plan_fleet(
     link = link or PRESETS[spec.link]
     report = _report(spec, run, link, model_bytes(metas))
     report["metadata_s"] = build_s
+    if rotate:
+        report["fleet"] += " [rotating router]"
     report["wall_s"] = time.perf_counter() - start
     return report, run
 
@@ -97,7 +99,7 @@ def _report(spec: FleetSpec, run: DryRun, link: LinkModel, total: int) -> dict[s
     prod_s = [c.seconds for c in run.producers.values()]
     pair_bytes = [p.nbytes for p in run.pairs]
     report: dict[str, Any] = {
-        "fleet": spec.name + (" [rotating router]" if rotate else ""),
+        "fleet": spec.name,
         "model": spec.model,
         "params_b": total / 2e9,
         "model_bytes": total,
