@@ -117,6 +117,12 @@ def monotonic_check(report: dict[str, Any], run: Any, preset: str) -> list[float
     return [predict(run, PRESETS[preset].with_bandwidth(f)).predicted_s for f in (0.5, 1, 2)]
 
 
+def _peaks(r: dict[str, Any]) -> str:
+    """Peak traced MB of consumer 0 / the busiest producer / the index, or '-'."""
+    keys = ("consumer_peak_mb", "producer_peak_mb", "index_peak_mb")
+    return "/".join("-" if r[k] is None else f"{r[k]:.3g}" for k in keys)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fleets", default="", help="comma-separated name filters (default: all)")
@@ -148,7 +154,7 @@ def main() -> None:
             "sim/cons",
             "setup s/rank",
             "index s",
-            "peak MB",
+            "peak MB c/p/idx",
             "pair bytes",
             "chunks/cons",
             "max/mean",
@@ -164,7 +170,7 @@ def main() -> None:
                 f"{r['simulated_consumers']}/{r['consumers']}",
                 r["setup_s_per_rank_max"],
                 r["index_s"],
-                r["consumer_peak_mb"] if r["consumer_peak_mb"] is not None else "-",
+                _peaks(r),
                 f"{human(r['pair_bytes_min'])}..{human(r['pair_bytes_max'])}",
                 r["chunks_per_consumer_max"],
                 r["producer_load_max_over_mean"],
@@ -191,7 +197,7 @@ def main() -> None:
         print_table(
             f"set-up cost against fleet size ({args.sweep_model}; one replica simulated; "
             "sync PREDICTED)",
-            ["ranks", "fleet", "index s", "consumer s", "producer s", "peak MB", "pred s"],
+            ["ranks", "fleet", "index s", "consumer s", "producer s", "peak MB c/p/idx", "pred s"],
             [
                 [
                     r["ranks"],
@@ -199,7 +205,7 @@ def main() -> None:
                     r["index_s"],
                     r["consumer_setup_s_max"],
                     r["producer_setup_s_max"],
-                    r["consumer_peak_mb"] if r["consumer_peak_mb"] is not None else "-",
+                    _peaks(r),
                     r["predicted_s"],
                 ]
                 for r in sweep_rows

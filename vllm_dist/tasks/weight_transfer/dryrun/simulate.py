@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -137,18 +137,24 @@ class DryRun:
         return runs
 
 
-def _traced(measure: bool) -> None:
-    if measure:
-        tracemalloc.start()
-        tracemalloc.reset_peak()
+_T = TypeVar("_T")
 
 
-def _peak(measure: bool) -> int | None:
+def _measured(fn: Callable[[], _T], measure: bool) -> tuple[_T, float, int | None]:
+    """``fn()``, its seconds untraced and, with ``measure``, the peak bytes tracemalloc sees in
+    a second call (tracing slows Python several times, so it never touches the timed call)."""
+    start = time.perf_counter()
+    value = fn()
+    seconds = time.perf_counter() - start
     if not measure:
-        return None
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    return peak
+        return value, seconds, None
+    tracemalloc.start()
+    try:
+        fn()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return value, seconds, peak
 
 
 def dry_run(
@@ -168,7 +174,8 @@ def dry_run(
 
     ``layout_of(worker)`` gives a worker's (meta params, routes by HF name). ``strided``: the
     consumers' READ path with strided reads (``pair_layout``). ``measure_memory``: trace the
-    peak Python allocation of the index, consumer 0 and the most loaded producer (slower).
+    peak Python allocation of the index, consumer 0 and the most loaded producer in a second,
+    traced call of each (the timed calls are untraced).
     ``rotate``: plan with ``RotatingRouter`` (a proposed rule) instead of the engine's router.
     """
     config = config or TransferConfig(workers_per_replica=workers_per_replica)
@@ -179,41 +186,44 @@ def dry_run(
     if sample is not None and not 0 < sample <= workers_per_replica:
         raise ValueError(f"sample={sample} must be 1..workers_per_replica={workers_per_replica}")
 
-    _traced(measure_memory)
-    start = time.perf_counter()
-    index = build_index(facts, num_consumers, workers_per_replica)
-    if rotate:
-        index = dataclasses.replace(index, router=RotatingRouter.like(index))
-    index_s = time.perf_counter() - start
+    def index_now() -> ModelIndex:
+        index = build_index(facts, num_consumers, workers_per_replica)
+        if rotate:
+            index = dataclasses.replace(index, router=RotatingRouter.like(index))
+        return index
+
+    index, index_s, index_peak = _measured(index_now, measure_memory)
     run = DryRun(
         num_producers,
         num_consumers,
         workers_per_replica,
         simulated,
         index_s,
-        _peak(measure_memory),
+        index_peak,
         len(index.names),
     )
     plans: dict[int, tuple[WeightConsumer, dict[int, tuple[Any, str]]]] = {}
     for cid in simulated:
         params, routes = layout_of(cid % workers_per_replica)
+
+        def consume(cid: int = cid, params: Any = params, routes: Any = routes) -> Any:
+            consumer = WeightConsumer(
+                cast(WorkerCoordinator, _SoloCoordinator(fleet.consumer_ranks[cid], world)),
+                cast(DeviceCommunicator, _MetaCommunicator()),
+                fleet=fleet,
+                params=params,
+                route=_router(routes),
+                config=config,
+            )
+            consumer.layout = pair_layout(consumer.layout, strided)
+            error = consumer._prepare(index)
+            if error is not None:
+                raise error
+            return consumer, _consumer_digests(consumer, index, num_producers)
+
         measure = measure_memory and cid == simulated[0]
-        _traced(measure)
-        start = time.perf_counter()
-        consumer = WeightConsumer(
-            cast(WorkerCoordinator, _SoloCoordinator(fleet.consumer_ranks[cid], world)),
-            cast(DeviceCommunicator, _MetaCommunicator()),
-            fleet=fleet,
-            params=params,
-            route=_router(routes),
-            config=config,
-        )
-        consumer.layout = pair_layout(consumer.layout, strided)
-        error = consumer._prepare(index)
-        if error is not None:
-            raise error
-        payloads = _consumer_digests(consumer, index, num_producers)
-        run.consumers[cid] = RankCost(time.perf_counter() - start, _peak(measure), len(payloads))
+        (consumer, payloads), seconds, peak = _measured(consume, measure)
+        run.consumers[cid] = RankCost(seconds, peak, len(payloads))
         run.chunks[cid] = consumer.chunks
         plans[cid] = (consumer, payloads)
         run.pairs.extend(_pair_plans(cid, consumer.chunks, item_sizes(consumer.requests)))
@@ -326,28 +336,27 @@ def _check_producers(
     for cid, (_, payloads) in plans.items():
         for p in payloads:
             by_producer.setdefault(p, []).append(cid)
-    shapes = ShapeCache()
     for p in range(run.num_producers):
-        measure = measure_memory and p == heaviest
-        _traced(measure)
-        start = time.perf_counter()
-        checks = PlanCheck(p, config.layout(), shapes)
-        for cid in by_producer.get(p, []):
-            payload, their = plans[cid][1][p]
-            kinds, names, raw = payload
-            ids = np.frombuffer(raw, dtype=np.int32)
-            pos = checks.check_names(cid, index, names)
-            sizes = checks.check_kinds(cid, index, kinds, names, ids, pos)
-            chunks = cut_chunks(
-                index.group_ids[pos],
-                index.class_ids[pos],
-                np.full(len(pos), p),
-                sizes[ids],
-                layout,
-            )
-            ours = plan_digest(cid, p, chunks, payload, index.router, layout)
-            if ours != their:
-                raise AssertionError(f"producer {p} and consumer {cid} derived different plans")
-        run.producers[p] = RankCost(
-            time.perf_counter() - start, _peak(measure), len(by_producer.get(p, []))
-        )
+        mine = by_producer.get(p, [])
+
+        def accept(p: int = p, mine: list[int] = mine) -> None:
+            checks = PlanCheck(p, config.layout(), ShapeCache())  # one cache per producer
+            for cid in mine:
+                payload, their = plans[cid][1][p]
+                kinds, names, raw = payload
+                ids = np.frombuffer(raw, dtype=np.int32)
+                pos = checks.check_names(cid, index, names)
+                sizes = checks.check_kinds(cid, index, kinds, names, ids, pos)
+                chunks = cut_chunks(
+                    index.group_ids[pos],
+                    index.class_ids[pos],
+                    np.full(len(pos), p),
+                    sizes[ids],
+                    layout,
+                )
+                ours = plan_digest(cid, p, chunks, payload, index.router, layout)
+                if ours != their:
+                    raise AssertionError(f"producer {p} and consumer {cid} planned differently")
+
+        _, seconds, peak = _measured(accept, measure_memory and p == heaviest)
+        run.producers[p] = RankCost(seconds, peak, len(mine))
