@@ -111,6 +111,8 @@ def _report(spec: FleetSpec, run: DryRun, link: LinkModel, total: int) -> dict[s
         "replica": f"tp{spec.replica_tp}" + (" ep" if spec.expert_parallel else ""),
         "simulated_consumers": len(run.simulated),
         "sampled": len(run.simulated) != spec.consumers,
+        "gather_s": run.gather_seconds,
+        "gather_mb": _mb(run.gather_bytes),
         "index_s": run.index_seconds,
         "index_peak_mb": _mb(run.index_peak_bytes),
         "consumer_setup_s_max": max(cons_s),
@@ -120,7 +122,9 @@ def _report(spec: FleetSpec, run: DryRun, link: LinkModel, total: int) -> dict[s
         "producer_peak_mb": _mb(
             max((c.peak_bytes or 0 for c in run.producers.values()), default=0) or None
         ),
-        "setup_s_per_rank_max": run.index_seconds + max(max(cons_s), max(prod_s)),
+        "setup_s_per_rank_max": run.gather_seconds
+        + run.index_seconds
+        + max(max(cons_s), max(prod_s)),
         "pairs": len(run.pairs) * run.scale(),
         "pair_bytes_min": min(pair_bytes),
         "pair_bytes_max": max(pair_bytes),

@@ -18,6 +18,7 @@ scales producer loads by the replica count, exact by that property (the tests ch
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -100,6 +101,8 @@ class DryRun:
     index_seconds: float
     index_peak_bytes: int | None
     names: int
+    gather_seconds: float = 0.0  # unpickling every producer's facts, as each rank does
+    gather_bytes: int | None = None  # one producer's unpickled facts (traced) x producers
     pairs: list[PairPlan] = field(default_factory=list)
     consumers: dict[int, RankCost] = field(default_factory=dict)
     producers: dict[int, RankCost] = field(default_factory=dict)
@@ -169,6 +172,7 @@ def dry_run(
     sample: int | None = None,
     measure_memory: bool = False,
     rotate: bool = False,
+    wire: bool = True,
 ) -> DryRun:
     """Plan every pair of the fleet with the engine's own set-up code.
 
@@ -177,6 +181,9 @@ def dry_run(
     peak Python allocation of the index, consumer 0 and the most loaded producer in a second,
     traced call of each (the timed calls are untraced).
     ``rotate``: plan with ``RotatingRouter`` (a proposed rule) instead of the engine's router.
+    ``wire``: build the index from facts that went through pickle, as ``all_gather_object``
+    hands them to every rank (objects of their own per producer), and time their unpickling;
+    else from the shared objects given (cheaper, and optimistic about the merge).
     """
     config = config or TransferConfig(workers_per_replica=workers_per_replica)
     num_producers = len(facts)
@@ -186,8 +193,10 @@ def dry_run(
     if sample is not None and not 0 < sample <= workers_per_replica:
         raise ValueError(f"sample={sample} must be 1..workers_per_replica={workers_per_replica}")
 
+    gathered, gather_s, gather_bytes = _gather(facts, measure_memory) if wire else (facts, 0, None)
+
     def index_now() -> ModelIndex:
-        index = build_index(facts, num_consumers, workers_per_replica)
+        index = build_index(gathered, num_consumers, workers_per_replica)
         if rotate:
             index = dataclasses.replace(index, router=RotatingRouter.like(index))
         return index
@@ -201,6 +210,8 @@ def dry_run(
         index_s,
         index_peak,
         len(index.names),
+        gather_s,
+        gather_bytes,
     )
     plans: dict[int, tuple[WeightConsumer, dict[int, tuple[Any, str]]]] = {}
     for cid in simulated:
@@ -229,6 +240,28 @@ def dry_run(
         run.pairs.extend(_pair_plans(cid, consumer.chunks, item_sizes(consumer.requests)))
     _check_producers(run, index, plans, config, strided, measure_memory)
     return run
+
+
+def _gather(
+    facts: list[ProducerFacts], measure: bool
+) -> tuple[list[ProducerFacts], float, int | None]:
+    """The facts as a rank receives them (each unpickled), the seconds that takes, and (with
+    ``measure``) one producer's unpickled facts traced, times the producers."""
+    blobs: dict[tuple[int, int], bytes] = {}  # producers with the same facts pickle alike
+    wire = [blobs.setdefault((id(f.metadata), id(f.held)), pickle.dumps(f)) for f in facts]
+    start = time.perf_counter()
+    gathered = [pickle.loads(b) for b in wire]  # our own bytes, never a peer's
+    seconds = time.perf_counter() - start
+    if not measure or not wire:
+        return gathered, seconds, None
+    tracemalloc.start()
+    try:
+        one = pickle.loads(wire[0])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    del one
+    return gathered, seconds, peak * len(facts)
 
 
 class RotatingRouter(RdtRouter):
