@@ -153,6 +153,8 @@ def test_one_replica_stands_for_every_replica() -> None:
     layout_of = _layout_of(metas, 2, True, head_dim=16)
     full = dry_run(metas, facts, 6, 2, layout_of)
     sampled = dry_run(metas, facts, 6, 2, layout_of, sample=2)
+    shared = dry_run(metas, facts, 6, 2, layout_of, wire=False)  # facts not through pickle
+    assert shared.pairs == full.pairs
     assert sampled.scale() == 3 and full.scale() == 1
     assert (full.producer_load() == sampled.producer_load()).all()
     assert sampled.schedule(1) == full.schedule(5)
