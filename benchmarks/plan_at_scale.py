@@ -263,6 +263,7 @@ def main() -> None:
         fig, ax = plt.subplots(1, 2, figsize=(10, 4))
         ranks = [r["ranks"] for r in sweep_rows]
         ax[0].plot(ranks, [r["setup_s_per_rank_max"] for r in sweep_rows], "o-", label="max")
+        ax[0].plot(ranks, [r["gather_s"] for r in sweep_rows], "^:", label="gather facts")
         ax[0].plot(ranks, [r["index_s"] for r in sweep_rows], "s--", label="index")
         ax[0].set(xlabel="ranks", ylabel="set-up s per rank", xscale="log", title="set-up")
         ax[0].legend()
@@ -270,6 +271,9 @@ def main() -> None:
         ax[1].plot(ranks, [r["bound_s"] for r in sweep_rows], "s--", label="link bound")
         ax[1].set(xlabel="ranks", ylabel="sync s (predicted)", xscale="log", title="sync")
         ax[1].legend()
+        for a in ax:
+            a.set_xticks(ranks, [str(n) for n in ranks])
+            a.minorticks_off()
         fig.tight_layout()
         fig.savefig(png)
 
