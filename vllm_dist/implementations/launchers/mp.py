@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any
 
 from vllm_dist import serialization
@@ -235,7 +235,13 @@ class _Run:
             self._collect_more_failures(failures, outcomes)
             if all(looks_like_consequence(f) for f in failures):  # a peer never arrived
                 live = [r for r in range(n) if r not in outcomes and self.procs[r].is_alive()]
-                failures += [f for f in self._hung(live) if f.rank not in outcomes]
+                failures = [
+                    replace(
+                        f, last_op=_describe_record(_read_record(self._file(f.rank, "progress")))
+                    )
+                    for f in failures
+                ]
+                failures += self._hung(live)
             raise LaunchError(mark_causes(failures))
         return [serialization.loads(outcomes[r].payload) for r in range(n)]
 
