@@ -318,14 +318,18 @@ def check_host(value: Any) -> str:
     return value
 
 
-def spawn_guard_error() -> RuntimeError | None:
-    """The error for a launch started while a spawned worker re-imports the user's script."""
+def spawn_guard_error() -> SystemExit | None:
+    """The error for a launch started while a spawned worker re-imports the user's script.
+
+    A ``SystemExit`` with one sentence: the worker prints it alone (no traceback through
+    multiprocessing's bootstrap) and exits with code 1, which the parent reports.
+    """
     import multiprocessing
 
     if not getattr(multiprocessing.current_process(), "_inheriting", False):
         return None
-    return RuntimeError(
-        "launch() ran while a worker was importing your script: put the code that launches "
-        'under `if __name__ == "__main__":` (the spawn start method imports the script again '
-        "in every worker)"
+    return SystemExit(
+        "vllm_dist: launch() ran while a worker was importing your script; put the code that "
+        'launches under `if __name__ == "__main__":` (the spawn start method imports the '
+        "script again in every worker)"
     )
