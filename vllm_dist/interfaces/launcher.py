@@ -141,8 +141,12 @@ class LaunchError(RuntimeError):
         if summary == "" and causes and len(causes) < len(self.failures):
             head += f"; first to fail: rank(s) {causes}"
         parts = [head]
+        waits = bool(causes) and self.failures[0].kind == "hung"  # the cause never arrived
         for f in self.failures:
-            after = "" if f.cause or not causes else f" (after rank {causes[0]} failed)"
+            after = ""
+            if not f.cause and causes:
+                after = f" (waiting for rank {causes[0]})" if waits else ""
+                after = after or f" (after rank {causes[0]} failed)"
             last = f" [last coordinator operation: {f.last_op}]" if f.last_op else ""
             parts.append(f"--- rank {f.rank}{after}: {f.reason}{last}")
             if f.traceback:

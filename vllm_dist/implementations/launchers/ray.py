@@ -19,6 +19,7 @@ node before the work starts, and the rendezvous address must be known first).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -85,8 +86,10 @@ class RayLauncher(Launcher):
         startup_timeout: seconds to reserve the placement group and start the actors; a request
             the cluster could hold but that stays pending longer fails with ``LaunchError``.
         keep_ray: leave a Ray that this launcher connected to or started running after
-            ``launch()`` (the next launch reuses it). A Ray that was already initialized is never
-            shut down.
+            ``launch()`` (default): the next launch of this process reuses it, and it is shut
+            down when the process exits. False shuts it down after each launch; a fresh Ray per
+            launch costs seconds and leaves some of Ray's threads and files behind in the driver
+            each time. A Ray that was already initialized is never shut down.
     """
 
     def __init__(
@@ -100,7 +103,7 @@ class RayLauncher(Launcher):
         runtime_env: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         startup_timeout: float = 300.0,
-        keep_ray: bool = False,
+        keep_ray: bool = True,
     ) -> None:
         check_n_tasks(n_tasks)
         if num_gpus_per_task < 0 or num_cpus_per_task < 0:
@@ -162,6 +165,8 @@ class RayLauncher(Launcher):
         else:
             needed = math.ceil(self._n_tasks * self._bundle.get("CPU", 0))
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+        if self._keep_ray:
+            atexit.register(ray.shutdown)  # once per Ray started here; a no-op if already down
         return True
 
     def _remote_class(self, ray: Any) -> Any:
