@@ -259,7 +259,7 @@ def test_launches_in_one_driver_reuse_one_ray_with_flat_threads_and_fds() -> Non
     """Ten launches in a driver that had no Ray: one Ray serves them all, and the driver's
     threads and open files stay flat after the first (slack for Ray's own background work)."""
     code = """
-        import json, os, threading
+        import json, os
         from vllm_dist import DistributedTask, RayLauncher
 
 
@@ -270,7 +270,7 @@ def test_launches_in_one_driver_reuse_one_ray_with_flat_threads_and_fds() -> Non
         counts = []
         for i in range(10):
             assert RayLauncher(2, timeout=60).launch(task_type=Rank) == [0, 1]
-            counts.append((threading.active_count(), len(os.listdir("/proc/self/fd"))))
+            counts.append((len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))))
         print("COUNTS", json.dumps(counts))
         """
     ray_tmp = tempfile.mkdtemp(prefix="ray")
