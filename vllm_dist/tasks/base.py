@@ -150,7 +150,8 @@ def check_groups(groups: Any, world_size: int) -> dict[int, int]:
         for r in group:
             if type(r) is not int or not 0 <= r < world_size:
                 raise ValueError(
-                    f"groups[{i}] has rank {r!r}; ranks are ints in 0..{world_size - 1}"
+                    f"groups[{i}] has rank {r!r}, outside the world of {world_size}: "
+                    f"ranks are ints in 0..{world_size - 1}"
                 )
             if r in seen:
                 raise ValueError(
