@@ -237,6 +237,20 @@ def test_bad_task_keywords_are_refused_before_workers_start(
     assert _descendants() <= before  # no worker was started
 
 
+@pytest.mark.parametrize("num_producers", [0, -1, True])
+def test_a_weight_transfer_without_producers_is_refused_before_workers_start(
+    num_producers: Any,
+) -> None:
+    from vllm_dist.tasks.weight_transfer import WeightTransferTask
+
+    before = _descendants()
+    with pytest.raises(ValueError, match="num_producers must be an int >= 1"):
+        MPLauncher(2, timeout=60).launch(
+            task_type=WeightTransferTask, num_producers=num_producers, num_consumers=1, **BACKENDS
+        )
+    assert _descendants() <= before
+
+
 class RaisesHere(DistributedTask):
     def run(self, **_: Any) -> None:
         raise RuntimeError("from the user's task")
