@@ -6,6 +6,8 @@ check how the launcher starts or misses Ray, which run in a fresh interpreter.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import subprocess
 import sys
@@ -223,7 +225,8 @@ def test_without_ray_the_error_names_the_install_command() -> None:
 
 @distributed_test(timeout=180)
 def test_starts_and_stops_its_own_ray_only_when_none_is_running() -> None:
-    """No Ray in the process: the launcher starts one and shuts it down, unless keep_ray."""
+    """No Ray in the process: the launcher starts one and keeps it for the next launches,
+    unless keep_ray=False; a Ray it did not start is left alone."""
     code = """
         import ray
         from vllm_dist import DistributedTask, RayLauncher
@@ -232,9 +235,9 @@ def test_starts_and_stops_its_own_ray_only_when_none_is_running() -> None:
             def run(self):
                 return self.worker_info.rank
 
-        assert RayLauncher(2, timeout=60).launch(task_type=Rank) == [0, 1]
+        assert RayLauncher(2, timeout=60, keep_ray=False).launch(task_type=Rank) == [0, 1]
         print("after plain launch:", ray.is_initialized())
-        assert RayLauncher(2, timeout=60, keep_ray=True).launch(task_type=Rank) == [0, 1]
+        assert RayLauncher(2, timeout=60).launch(task_type=Rank) == [0, 1]
         print("after keep_ray launch:", ray.is_initialized())
         assert RayLauncher(2, timeout=60).launch(task_type=Rank) == [0, 1]
         print("after launch on a running Ray:", ray.is_initialized())
@@ -249,3 +252,36 @@ def test_starts_and_stops_its_own_ray_only_when_none_is_running() -> None:
     assert "after plain launch: False" in proc.stdout
     assert "after keep_ray launch: True" in proc.stdout
     assert "after launch on a running Ray: True" in proc.stdout
+
+
+@distributed_test(timeout=300)
+def test_launches_in_one_driver_reuse_one_ray_with_flat_threads_and_fds() -> None:
+    """Ten launches in a driver that had no Ray: one Ray serves them all, and the driver's
+    threads and open files stay flat after the first (slack for Ray's own background work)."""
+    code = """
+        import json, os
+        from vllm_dist import DistributedTask, RayLauncher
+
+
+        class Rank(DistributedTask):
+            def run(self):
+                return self.worker_info.rank
+
+        counts = []
+        for i in range(10):
+            assert RayLauncher(2, timeout=60).launch(task_type=Rank) == [0, 1]
+            counts.append((len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))))
+        print("COUNTS", json.dumps(counts))
+        """
+    ray_tmp = tempfile.mkdtemp(prefix="ray")
+    try:
+        proc = _run_python(code, {"RAY_TMPDIR": ray_tmp, "RAY_ADDRESS": ""}, timeout=280)
+        sessions = glob.glob(f"{ray_tmp}/session_2*") + glob.glob(f"{ray_tmp}/*/session_2*")
+    finally:
+        subprocess.run(["rm", "-rf", ray_tmp], check=False, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("COUNTS"))
+    counts = json.loads(line[len("COUNTS ") :])
+    (threads1, fds1), (threads10, fds10) = counts[0], counts[-1]
+    assert threads10 <= threads1 + 3 and fds10 <= fds1 + 4, counts
+    assert len(sessions) <= 1, sessions

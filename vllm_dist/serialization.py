@@ -11,7 +11,10 @@ the module files to every node, which needs a shared file system and a matching 
 
 from __future__ import annotations
 
+import io
 import sys
+import types
+from collections import ChainMap
 from types import ModuleType
 from typing import Any
 
@@ -76,10 +79,34 @@ def prepare() -> None:
                 continue
 
 
+def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a code object, with the real ``co_filename`` kept.
+
+    cloudpickle writes ``<dynamic-code>`` there (for payloads that do not depend on where a
+    function was defined); a worker's traceback then cannot name the user's file and line.
+    """
+    make, args = cloudpickle.cloudpickle._code_reduce(code)
+    args = tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+    return make, args
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle's pickler, except that functions pickled by value keep their file name."""
+
+    dispatch_table = ChainMap(
+        {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
+    )
+
+
 def dumps(obj: Any) -> bytes:
-    """cloudpickle ``obj``, with dynamic modules pickled by value."""
+    """cloudpickle ``obj``, with dynamic modules pickled by value and real file names kept."""
     prepare()
-    return cloudpickle.dumps(obj)
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    except AttributeError:  # a cloudpickle without _code_reduce: its own, as it is
+        return cloudpickle.dumps(obj)
+    return buf.getvalue()
 
 
 def loads(data: bytes) -> Any:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 LAUNCH_ID_ENV = "VLLM_DIST_LAUNCH_ID"  # WorkerInfo.launch_id in a worker's environment
+# a file where a worker's coordinator records the operation it entered last; the launcher reads it
+# to name the rank that never arrived when a collective or the launch times out
+PROGRESS_FILE_ENV = "VLLM_DIST_PROGRESS_FILE"
 
 
 def new_launch_id() -> str:
@@ -88,37 +91,65 @@ class WorkerInfo:
 class WorkerFailure:
     """One failed worker: its rank, how it ended, and its own traceback when it had one.
 
-    ``port_taken``: the worker ended on ``RendezvousPortTakenError`` for the launch's own
-    rendezvous port (another process bound it first), so launching again on another port helps.
+    ``kind``: ``"raised"``, ``"exited"``, ``"signal"`` (killed), ``"exit_after_result"`` (died
+    after returning its result), ``"hung"`` (still running at a timeout) or ``"other"``.
+    ``exit_code`` / ``signal``: how the process ended, when known. ``at``: when the failure
+    happened (``time.time()``, as the worker or else the parent saw it), which orders causes.
+    ``cause``: False for a consequence of another rank's failure (a peer that closed its
+    connection, a collective that timed out waiting for it). ``last_op``: the coordinator
+    operation the rank entered last, when the launcher knows it. ``port_taken``: the worker ended
+    on ``RendezvousPortTakenError`` for the launch's own rendezvous port, so launching again on
+    another port helps.
     """
 
     rank: int
     reason: str
     traceback: str = ""
     port_taken: bool = False
+    kind: str = "other"
+    exit_code: int | None = None
+    signal: int | None = None
+    at: float = 0.0
+    cause: bool = True
+    last_op: str = ""
 
 
 class LaunchError(RuntimeError):
     """One or more workers failed; every other worker of the launch has been stopped.
 
     Attributes:
-        failures: one ``WorkerFailure`` per failed rank, in rank order.
+        failures: one ``WorkerFailure`` per failed rank, causes first (the first rank to fail
+            first), then the consequences, each group in the order the failures happened.
+        ranks: the failed ranks, in rank order.
     """
 
     def __init__(self, failures: Sequence[WorkerFailure], summary: str = "") -> None:
-        self.failures = sorted(failures, key=lambda f: f.rank)
-        ranks = [f.rank for f in self.failures]
-        head = summary or f"launch failed on rank(s) {ranks}"
+        self.failures = sorted(failures, key=lambda f: (not f.cause, f.at, f.rank))
+        causes = [f.rank for f in self.failures if f.cause]
+        head = summary or f"launch failed on rank(s) {self.ranks}"
+        if summary == "" and causes and len(causes) < len(self.failures):
+            head += f"; first to fail: rank(s) {causes}"
         parts = [head]
+        waits = bool(causes) and self.failures[0].kind == "hung"  # the cause never arrived
         for f in self.failures:
-            parts.append(f"--- rank {f.rank}: {f.reason}")
+            after = ""
+            if not f.cause and causes:
+                after = f" (waiting for rank {causes[0]})" if waits else ""
+                after = after or f" (after rank {causes[0]} failed)"
+            last = f" [last coordinator operation: {f.last_op}]" if f.last_op else ""
+            parts.append(f"--- rank {f.rank}{after}: {f.reason}{last}")
             if f.traceback:
                 parts.append(f.traceback.rstrip())
         super().__init__("\n".join(parts))
 
     @property
     def ranks(self) -> list[int]:
-        return [f.rank for f in self.failures]
+        return sorted(f.rank for f in self.failures)
+
+    @property
+    def first(self) -> WorkerFailure | None:
+        """The failure listed first: the rank that failed first, or the one that never arrived."""
+        return self.failures[0] if self.failures else None
 
 
 class BackendUnavailableError(ImportError):
@@ -142,6 +173,16 @@ class DistributedTask(ABC):
 
     def __init__(self, worker_info: WorkerInfo) -> None:
         self.worker_info = worker_info
+
+    @classmethod
+    def check_launch_kwargs(cls, world_size: int, **kwargs: Any) -> None:
+        """Refuse bad launch keywords in the parent, before any worker starts (default: none).
+
+        Launchers call it with their ``n_tasks`` and the keywords of ``launch``. A task that
+        overrides it raises ``ValueError`` / ``TypeError`` with one line naming the keyword and
+        the fix; it must not start anything or touch a device.
+        """
+        return None
 
     @abstractmethod
     def run(self, **kwargs: Any) -> Any:

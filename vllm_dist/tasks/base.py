@@ -36,6 +36,11 @@ class GlobalCoordinatorDistributedTask(DistributedTask):
     coordinator: WorkerCoordinator
     communicator: DeviceCommunicator
 
+    @classmethod
+    def check_launch_kwargs(cls, world_size: int, **kwargs: Any) -> None:
+        """Refuse unknown backend names in the parent, before any worker starts."""
+        check_backend_names(kwargs)
+
     def run(  # type: ignore[override]
         self,
         *,
@@ -77,6 +82,13 @@ class GroupCoordinatorDistributedTask(DistributedTask):
     coordinator: WorkerCoordinator
     communicator: DeviceCommunicator
 
+    @classmethod
+    def check_launch_kwargs(cls, world_size: int, **kwargs: Any) -> None:
+        """Refuse unknown backend names and ``groups`` that do not partition the world."""
+        check_backend_names(kwargs)
+        if "groups" in kwargs:  # a subclass may compute its groups itself
+            check_groups(kwargs["groups"], world_size)
+
     def run(  # type: ignore[override]
         self,
         *,
@@ -109,23 +121,56 @@ class GroupCoordinatorDistributedTask(DistributedTask):
         """The task's work, with the group's coordinator and communicator ready."""
 
 
+def check_backend_names(kwargs: dict[str, Any]) -> None:
+    """Resolve ``coordinator_type`` / ``communicator_type`` through the registry (names only,
+    nothing imported): an unknown name raises ``ValueError`` listing the known ones. A missing
+    one is left to ``run`` (a subclass may pass its own)."""
+    for key, reg in (
+        ("coordinator_type", registry.coordinators),
+        ("communicator_type", registry.communicators),
+    ):
+        if key not in kwargs:
+            continue
+        try:
+            reg.resolve_name(kwargs[key])
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{key}: {exc}") from None
+
+
+def check_groups(groups: Any, world_size: int) -> dict[int, int]:
+    """Each rank's group index; ``ValueError`` unless ``groups`` partition the world's ranks."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+        raise TypeError(f"groups must be a list of lists of ranks, got {groups!r}")
+    seen: dict[int, int] = {}
+    for i, group in enumerate(groups):
+        if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
+            raise TypeError(f"groups[{i}] must be a list of ranks, got {group!r}")
+        if not group:
+            raise ValueError(f"groups[{i}] is empty; every group needs at least one rank")
+        for r in group:
+            if type(r) is not int or not 0 <= r < world_size:
+                raise ValueError(
+                    f"groups[{i}] has rank {r!r}, outside the world of {world_size}: "
+                    f"ranks are ints in 0..{world_size - 1}"
+                )
+            if r in seen:
+                raise ValueError(
+                    f"rank {r} is in groups[{seen[r]}] and groups[{i}]; put it in one group"
+                )
+            seen[r] = i
+    missing = sorted(set(range(world_size)) - set(seen))
+    if missing:
+        raise ValueError(
+            f"ranks {missing} are in no group; groups must cover all {world_size} ranks"
+        )
+    return seen
+
+
 def find_group(
     groups: Sequence[Sequence[int]], rank: int, world_size: int
 ) -> tuple[int, list[int]]:
     """This rank's group index and ranks; ``ValueError`` unless ``groups`` partition the world."""
-    seen: dict[int, int] = {}
-    for i, group in enumerate(groups):
-        if not group:
-            raise ValueError(f"groups[{i}] is empty")
-        for r in group:
-            if not isinstance(r, int) or not 0 <= r < world_size:
-                raise ValueError(f"groups[{i}] has rank {r!r}, outside the world of {world_size}")
-            if r in seen:
-                raise ValueError(f"rank {r} is in groups[{seen[r]}] and groups[{i}]")
-            seen[r] = i
-    missing = sorted(set(range(world_size)) - set(seen))
-    if missing:
-        raise ValueError(f"ranks {missing} are in no group; groups must cover all {world_size}")
+    seen = check_groups(groups, world_size)
     return seen[rank], list(groups[seen[rank]])
 
 

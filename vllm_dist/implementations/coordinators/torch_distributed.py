@@ -5,13 +5,21 @@ sub-groups are gloo groups made with ``use_local_synchronization=True`` so that 
 take part, which lets every group of a ``GroupCoordinatorDistributedTask`` build its own without the
 rest of the world. The default group is process-global in torch, which is why this coordinator
 never reads a rank from it: every rank here comes from the ``WorkerInfo`` it was given.
+
+Each operation is recorded, on entry and on exit, in the file a launcher names through
+``PROGRESS_FILE_ENV``: one rewrite of a short line per operation, so that a launch that times
+out can name the rank that never arrived and what it did last. Rejected alternative: keys in the
+rendezvous store, a network round trip per operation and unreadable once rank 0 is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,8 +31,47 @@ from vllm_dist.interfaces import (
     WorkerCoordinator,
     WorkerInfo,
 )
+from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV
 
 DEFAULT_TIMEOUT_S = 300.0
+_RECORD_BYTES = 200  # one record, padded, rewritten in place
+
+
+class ProgressLog:
+    """The last coordinator operation this worker entered, kept in a file its launcher reads.
+
+    A record reads ``in barrier #3 group=[0, 1] t=<time.time()>`` while the operation runs and
+    ``after ...`` once it returned. Without ``PROGRESS_FILE_ENV`` (torchrun) nothing is written.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self._fd = -1
+        self._counts: dict[tuple[int, ...], int] = {}
+        if path:
+            with contextlib.suppress(OSError):
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+
+    @contextlib.contextmanager
+    def op(self, name: str, group: Sequence[int]) -> Iterator[None]:
+        """Record entering ``name`` on ``group`` (global ranks), then leaving it."""
+        if self._fd < 0:
+            yield
+            return
+        key = tuple(group)
+        n = self._counts[key] = self._counts.get(key, 0) + 1
+        what = f"{name} #{n} group={list(key)}"
+        self._write(f"in {what} t={time.time():.3f}")
+        yield
+        self._write(f"after {what} t={time.time():.3f}")
+
+    def _write(self, record: str) -> None:
+        with contextlib.suppress(OSError):
+            os.pwrite(self._fd, record.encode()[:_RECORD_BYTES].ljust(_RECORD_BYTES), 0)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class TorchDistributedCoordinator(WorkerCoordinator):
@@ -43,6 +90,8 @@ class TorchDistributedCoordinator(WorkerCoordinator):
         self._owns_default_group = False
         self._children: list[TorchDistributedCoordinator] = []
         self._closed = False
+        self._progress = ProgressLog(os.environ.get(PROGRESS_FILE_ENV))
+        self._owns_progress = True  # a sub-group writes into its world coordinator's record
 
     # -- set-up ------------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -59,22 +108,8 @@ class TorchDistributedCoordinator(WorkerCoordinator):
         else:
             timeout = datetime.timedelta(seconds=self._timeout)
             try:
-                if info.launch_id:
-                    dist.init_process_group(
-                        backend="gloo",
-                        store=_launch_store(info, timeout),
-                        rank=info.rank,
-                        world_size=info.world_size,
-                        timeout=timeout,
-                    )
-                else:
-                    dist.init_process_group(
-                        backend="gloo",
-                        init_method=f"tcp://{_host(info.master_addr)}:{info.master_port}",
-                        rank=info.rank,
-                        world_size=info.world_size,
-                        timeout=timeout,
-                    )
+                with self._progress.op("rendezvous", self._global_ranks):
+                    self._init_default_group(info, timeout)
             except (RuntimeError, dist.DistStoreError) as exc:
                 if _address_in_use(exc):
                     raise RendezvousPortTakenError(
@@ -88,6 +123,24 @@ class TorchDistributedCoordinator(WorkerCoordinator):
                 ) from exc
             self._owns_default_group = True
         self._group = dist.group.WORLD
+
+    def _init_default_group(self, info: WorkerInfo, timeout: datetime.timedelta) -> None:
+        if info.launch_id:
+            dist.init_process_group(
+                backend="gloo",
+                store=_launch_store(info, timeout),
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=timeout,
+            )
+        else:
+            dist.init_process_group(
+                backend="gloo",
+                init_method=f"tcp://{_host(info.master_addr)}:{info.master_port}",
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=timeout,
+            )
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -119,9 +172,10 @@ class TorchDistributedCoordinator(WorkerCoordinator):
         group = self._require_group()
         seconds = self._timeout if timeout is None else timeout
         try:
-            dist.monitored_barrier(
-                group=group, timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True
-            )
+            with self._progress.op("barrier", self._global_ranks):
+                dist.monitored_barrier(
+                    group=group, timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True
+                )
         except RuntimeError as exc:
             raise CoordinatorTimeoutError(
                 f"barrier on group {self._global_ranks} did not complete within {seconds} s: {exc}"
@@ -130,22 +184,26 @@ class TorchDistributedCoordinator(WorkerCoordinator):
     def broadcast_object(self, obj: Any, src: int) -> Any:
         self._check_rank(src, "src")
         box = [obj if self.get_rank() == src else None]
-        dist.broadcast_object_list(box, group_src=src, group=self._require_group())
+        with self._progress.op(f"broadcast_object(src={src})", self._global_ranks):
+            dist.broadcast_object_list(box, group_src=src, group=self._require_group())
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.get_world_size()
-        dist.all_gather_object(out, obj, group=self._require_group())
+        with self._progress.op("all_gather_object", self._global_ranks):
+            dist.all_gather_object(out, obj, group=self._require_group())
         return out
 
     def send_object(self, obj: Any, dst: int) -> None:
         self._check_rank(dst, "dst", peer=True)
-        dist.send_object_list([obj], group_dst=dst, group=self._require_group())
+        with self._progress.op(f"send_object(dst={dst})", self._global_ranks):
+            dist.send_object_list([obj], group_dst=dst, group=self._require_group())
 
     def recv_object(self, src: int) -> Any:
         self._check_rank(src, "src", peer=True)
         box: list[Any] = [None]
-        dist.recv_object_list(box, group_src=src, group=self._require_group())
+        with self._progress.op(f"recv_object(src={src})", self._global_ranks):
+            dist.recv_object_list(box, group_src=src, group=self._require_group())
         return box[0]
 
     # -- groups ------------------------------------------------------------------------------
@@ -156,7 +214,10 @@ class TorchDistributedCoordinator(WorkerCoordinator):
         global_ranks = [self._global_ranks[r] for r in ranks]
         child = TorchDistributedCoordinator(self._info, timeout=self._timeout)
         child._global_ranks = global_ranks
-        child._group = new_torch_group(global_ranks, "gloo", self._timeout)
+        child._progress.close()
+        child._progress, child._owns_progress = self._progress, False  # one record per worker
+        with self._progress.op("new_group", global_ranks):
+            child._group = new_torch_group(global_ranks, "gloo", self._timeout)
         self._children.append(child)
         return child
 
@@ -168,6 +229,8 @@ class TorchDistributedCoordinator(WorkerCoordinator):
             child.close()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
+        if self._owns_progress:
+            self._progress.close()
         self._group = None
 
     # -- helpers -----------------------------------------------------------------------------

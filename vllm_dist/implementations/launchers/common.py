@@ -6,13 +6,15 @@ Launchers call these plain functions; there is no launcher base class with share
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
 import socket
+import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from vllm_dist import registry, serialization
@@ -20,6 +22,7 @@ from vllm_dist.interfaces import (
     DistributedTask,
     LaunchError,
     RendezvousPortTakenError,
+    WorkerFailure,
     WorkerInfo,
 )
 
@@ -35,6 +38,7 @@ class WorkerOutcome:
     payload: bytes = b""
     traceback: str = ""
     port_taken: bool = False  # ended on RendezvousPortTakenError for the launch's own port
+    failed_at: float = 0.0  # time.time() when the task raised, which orders the failures
 
 
 def pack_launch(task_type: type[DistributedTask], kwargs: dict[str, Any]) -> bytes:
@@ -55,10 +59,13 @@ def run_packed_task(packed: bytes, info: WorkerInfo) -> WorkerOutcome:
     except SystemExit as exc:
         if exits_cleanly(exc.code):  # sys.exit(0): a success without a result, as in torchrun
             return WorkerOutcome(ok=True, payload=serialization.dumps(None))
-        return WorkerOutcome(ok=False, traceback=traceback.format_exc())
+        return WorkerOutcome(ok=False, traceback=traceback.format_exc(), failed_at=time.time())
     except BaseException as exc:  # noqa: BLE001 - the traceback is the report
+        at = time.time()
         taken = isinstance(exc, RendezvousPortTakenError) and exc.port == info.master_port
-        return WorkerOutcome(ok=False, traceback=traceback.format_exc(), port_taken=taken)
+        return WorkerOutcome(
+            ok=False, traceback=traceback.format_exc(), port_taken=taken, failed_at=at
+        )
 
 
 def exits_cleanly(code: Any) -> bool:
@@ -177,3 +184,152 @@ def describe_exit(exitcode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
+
+
+# what a rank's error says when it only saw another rank go away or never arrive
+_CONSEQUENCE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "CoordinatorTimeoutError",
+    "DistNetworkError",
+    "Socket Timeout",
+    "timed out",
+    "Timed out",
+    "ECONNRESET",
+    "EPIPE",
+)
+
+
+def looks_like_consequence(failure: WorkerFailure) -> bool:
+    """Whether a rank's error reads as a reaction to a peer's failure, not a failure of its own."""
+    if failure.kind != "raised" or not failure.traceback:
+        return False
+    last = failure.traceback.strip().splitlines()[-1:] or [""]
+    return any(m in failure.traceback for m in _CONSEQUENCE_MARKERS[:3]) or any(
+        m in last[0] for m in _CONSEQUENCE_MARKERS
+    )
+
+
+def mark_causes(failures: Sequence[WorkerFailure]) -> list[WorkerFailure]:
+    """Mark the first rank to fail as the cause and the others as its consequences.
+
+    "First" is the earliest failure whose error is not a reaction to a peer (a closed connection,
+    a timeout), by the time it happened. When every error is such a reaction, the ranks still
+    running that lag behind (``kind="hung"`` with ``cause``) are the cause; else the earliest.
+    """
+    done = [f for f in failures if f.kind != "hung"]
+    own = [f for f in done if not looks_like_consequence(f)]
+    lagging = [f for f in failures if f.kind == "hung" and f.cause]
+    if own:
+        first: WorkerFailure | None = min(own, key=lambda f: (f.at, f.rank))
+    elif lagging or not done:
+        first = None
+    else:
+        first = min(done, key=lambda f: (f.at, f.rank))
+    out = []
+    for f in failures:
+        if f.kind == "hung":
+            out.append(replace(f, cause=f.cause and not own))
+        else:
+            out.append(replace(f, cause=f is first))
+    return out
+
+
+def exit_failure(rank: int, exitcode: int | None, when: str, at: float) -> WorkerFailure:
+    """A worker that ended without a traceback: its exit code or signal, named."""
+    kind = "signal" if exitcode is not None and exitcode < 0 else "exited"
+    if when == "after returning its result":
+        kind = "exit_after_result"
+    return WorkerFailure(
+        rank=rank,
+        reason=f"{describe_exit(exitcode)} {when}",
+        kind=kind,
+        exit_code=exitcode if exitcode is not None and exitcode >= 0 else None,
+        signal=-exitcode if exitcode is not None and exitcode < 0 else None,
+        at=at,
+    )
+
+
+def raised_failure(rank: int, outcome: WorkerOutcome, at: float) -> WorkerFailure:
+    """A worker whose task raised: its traceback, and when it raised."""
+    return WorkerFailure(
+        rank=rank,
+        reason="raised an exception",
+        traceback=outcome.traceback,
+        port_taken=outcome.port_taken,
+        kind="raised",
+        at=outcome.failed_at or at,
+    )
+
+
+# -- arguments, checked in the parent before any worker starts ---------------------------------
+def check_n_tasks(value: Any) -> int:
+    """``n_tasks`` as a positive int (a bool is not a count)."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f"n_tasks must be a positive int (the number of ranks), got {value!r}")
+    return value
+
+
+def check_seconds(name: str, value: Any, *, allow_none: bool = True) -> float | None:
+    """A finite, positive number of seconds (``None`` = no limit, where allowed)."""
+    if value is None and allow_none:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        limit = " or None for no limit" if allow_none else ""
+        raise ValueError(f"{name} must be a finite number of seconds > 0{limit}, got {value!r}")
+    return float(value)
+
+
+def check_port(value: Any) -> int | None:
+    """``master_port``: None (pick a free one) or an int TCP port."""
+    if value is None:
+        return None
+    if type(value) is not int or not 0 < value < 65536:
+        raise ValueError(
+            f"master_port must be an int in 1..65535, or None to pick a free port, got {value!r}"
+        )
+    return value
+
+
+def check_env(value: Any) -> dict[str, str]:
+    """``env``: a mapping of str to str (``{"FOO": "1"}``, not ``{"FOO": 1}``)."""
+    env = dict(value or {})
+    for key, item in env.items():
+        if not isinstance(key, str) or not isinstance(item, str):
+            raise TypeError(
+                f"env must map str to str; {key!r}: {item!r} is not: write {key!r}: {str(item)!r}"
+            )
+    return env
+
+
+def check_host(value: Any) -> str:
+    """``master_addr``: a name or address that resolves here."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"master_addr must be a host name or address, got {value!r}")
+    try:
+        socket.getaddrinfo(value.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(
+            f"master_addr {value!r} does not resolve ({exc}); give an address of this machine "
+            "such as '127.0.0.1'"
+        ) from None
+    return value
+
+
+def spawn_guard_error() -> SystemExit | None:
+    """The error for a launch started while a spawned worker re-imports the user's script.
+
+    A ``SystemExit`` with one sentence: the worker prints it alone (no traceback through
+    multiprocessing's bootstrap) and exits with code 1, which the parent reports.
+    """
+    import multiprocessing
+
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return None
+    return SystemExit(
+        "vllm_dist: launch() ran while a worker was importing your script; put the code that "
+        'launches under `if __name__ == "__main__":` (the spawn start method imports the '
+        "script again in every worker)"
+    )

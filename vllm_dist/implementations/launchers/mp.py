@@ -1,7 +1,10 @@
 """MPLauncher: one local process per rank, started with multiprocessing (spawn by default).
 
 Each worker gets torchrun's environment variables, its own process group (so a stop also reaches
-anything it started), ``PR_SET_PDEATHSIG`` (so it dies with the parent, SIGKILL included) and its
+anything it started), ``PR_SET_PDEATHSIG`` (so it dies with the parent, SIGKILL included), a
+forked watcher that kills the worker's process group once the worker is gone (so what the worker
+started dies with it, whoever killed it), a ``faulthandler`` stack dump on SIGUSR1 (read when a
+launch times out), a file its coordinator records its last operation in, and its
 stdout / stderr on pipes that the parent reads and prefixes with ``[rank N]:``. The parent waits on
 result pipes and process sentinels together, so a failed or vanished rank is seen at once and the
 others are stopped without waiting for a collective timeout. Rejected alternative: torch's
@@ -11,28 +14,44 @@ others are stopped without waiting for a collective timeout. Rejected alternativ
 from __future__ import annotations
 
 import atexit
+import atexit as _atexit
 import contextlib
 import ctypes
+import faulthandler
+import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import re
 import selectors
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import IO, Any
 
 from vllm_dist import serialization
 from vllm_dist.implementations.launchers.common import (
     WorkerOutcome,
-    describe_exit,
+    check_env,
+    check_host,
+    check_n_tasks,
+    check_port,
+    check_seconds,
+    exit_failure,
     find_free_port,
     launch_retrying_taken_ports,
+    looks_like_consequence,
+    mark_causes,
     pack_launch,
+    raised_failure,
     run_packed_task,
+    spawn_guard_error,
     worker_env,
 )
 from vllm_dist.interfaces import (
@@ -43,7 +62,7 @@ from vllm_dist.interfaces import (
     WorkerFailure,
     WorkerInfo,
 )
-from vllm_dist.interfaces.launcher import new_launch_id
+from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, new_launch_id
 
 _PR_SET_PDEATHSIG = 1
 
@@ -76,21 +95,19 @@ class MPLauncher(Launcher):
         prefix_output: bool = True,
         stop_grace: float = 2.0,
     ) -> None:
-        if not isinstance(n_tasks, int) or n_tasks < 1:
-            raise ValueError(f"n_tasks must be a positive int, got {n_tasks!r}")
+        self._n_tasks = check_n_tasks(n_tasks)
         if start_method not in mp.get_all_start_methods():
             raise ValueError(
                 f"start_method {start_method!r} is not available here; "
                 f"choose one of {mp.get_all_start_methods()}"
             )
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive or None, got {timeout!r}")
-        self._n_tasks = n_tasks
         self._ctx = mp.get_context(start_method)
-        self._timeout = timeout
-        self._master_addr = master_addr
-        self._master_port = master_port
-        self._env = dict(env or {})
+        self._timeout = check_seconds("timeout", timeout)
+        self._master_addr = check_host(master_addr)
+        self._master_port = check_port(master_port)
+        self._env = check_env(env)
+        if isinstance(stop_grace, bool) or not isinstance(stop_grace, (int, float)):
+            raise ValueError(f"stop_grace must be a number of seconds >= 0, got {stop_grace!r}")
         if n_tasks > 1 and "OMP_NUM_THREADS" not in self._env | dict(os.environ):
             self._env["OMP_NUM_THREADS"] = "1"
         self._prefix_output = prefix_output
@@ -101,7 +118,11 @@ class MPLauncher(Launcher):
         return self._n_tasks
 
     def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
+        guard = spawn_guard_error()
+        if guard is not None:
+            raise guard
         packed = pack_launch(task_type, kwargs)
+        task_type.check_launch_kwargs(self._n_tasks, **kwargs)
         started = time.monotonic()
         if self._master_port:
             return self._launch_once(packed, self._master_port, started)
@@ -115,10 +136,15 @@ class MPLauncher(Launcher):
         try:
             run.start()
             results = run.wait()
-            return results
         finally:
             # after success the workers are exiting on their own: give them time to finish
             run.stop(exit_wait=10.0 if results is not None else 0.0)
+        late = run.exit_failures()
+        if late:
+            raise LaunchError(
+                late, summary=f"rank(s) {[f.rank for f in late]} died after returning a result"
+            )
+        return results
 
 
 class _Run:
@@ -135,6 +161,8 @@ class _Run:
         self._forwarder = _OutputForwarder() if launcher._prefix_output else None
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self._dir = tempfile.mkdtemp(prefix="vllm_dist-")  # progress records and stack dumps
+        self._exit_codes: list[int | None] = []  # as the workers ended by themselves
 
     def start(self) -> None:
         _stop_at_exit(self)
@@ -154,6 +182,9 @@ class _Run:
         if self._forwarder is not None:
             self._forwarder.start()
 
+    def _file(self, rank: int, what: str) -> str:
+        return os.path.join(self._dir, f"rank{rank}.{what}")
+
     def _start_one(self, info: WorkerInfo) -> None:
         ctx = self._launcher._ctx
         result_r, result_w = ctx.Pipe(duplex=False)
@@ -161,9 +192,11 @@ class _Run:
         if self._forwarder is not None:
             out_r, out_w = ctx.Pipe(duplex=False)
             err_r, err_w = ctx.Pipe(duplex=False)
+        env = {**self._launcher._env, PROGRESS_FILE_ENV: self._file(info.rank, "progress")}
+        files = _WorkerFiles(stacks=self._file(info.rank, "stacks"))
         proc = ctx.Process(  # type: ignore[attr-defined]
             target=_worker_main,
-            args=(self._packed, info, self._launcher._env, os.getpid(), result_w, out_w, err_w),
+            args=(self._packed, info, env, os.getpid(), result_w, out_w, err_w, files),
             name=f"vllm_dist-rank{info.rank}",
             daemon=False,
         )
@@ -200,7 +233,16 @@ class _Run:
                 self._forget(waitables, rank)
         if failures:
             self._collect_more_failures(failures, outcomes)
-            raise LaunchError(failures)
+            if all(looks_like_consequence(f) for f in failures):  # a peer never arrived
+                live = [r for r in range(n) if r not in outcomes and self.procs[r].is_alive()]
+                failures = [
+                    replace(
+                        f, last_op=_describe_record(_read_record(self._file(f.rank, "progress")))
+                    )
+                    for f in failures
+                ]
+                failures += self._hung(live)
+            raise LaunchError(mark_causes(failures))
         return [serialization.loads(outcomes[r].payload) for r in range(n)]
 
     def _read_outcome(self, rank: int) -> WorkerOutcome:
@@ -218,15 +260,9 @@ class _Run:
 
     def _failure(self, rank: int, outcome: WorkerOutcome) -> WorkerFailure:
         if outcome.traceback:
-            return WorkerFailure(
-                rank=rank,
-                reason="raised an exception",
-                traceback=outcome.traceback,
-                port_taken=outcome.port_taken,
-            )
-        proc = self.procs[rank]
-        return WorkerFailure(
-            rank=rank, reason=f"{describe_exit(proc.exitcode)} before returning a result"
+            return raised_failure(rank, outcome, time.time())
+        return exit_failure(
+            rank, self.procs[rank].exitcode, "before returning a result", time.time()
         )
 
     def _collect_more_failures(
@@ -242,13 +278,37 @@ class _Run:
             try:
                 if conn.poll():
                     outcome = conn.recv()
+                    outcomes[rank] = outcome
                     if not outcome.ok:
                         failures.append(self._failure(rank, outcome))
                     continue
             except (EOFError, OSError):
                 pass
             if not self.procs[rank].is_alive() and self.procs[rank].exitcode != 0:
+                outcomes[rank] = WorkerOutcome(ok=False)
                 failures.append(self._failure(rank, WorkerOutcome(ok=False)))
+
+    def _hung(self, ranks: list[int]) -> list[WorkerFailure]:
+        """The ranks still running, each with its last coordinator operation and its stacks;
+        ``cause`` marks the ones that lag behind (never arrived where the others wait)."""
+        if not ranks:
+            return []
+        records = {r: _read_record(self._file(r, "progress")) for r in range(len(self.procs))}
+        stacks = _dump_stacks({r: self.procs[r] for r in ranks}, self._file)
+        lagging = set(_lagging(records, ranks)) or set(ranks)
+        now = time.time()
+        return [
+            WorkerFailure(
+                rank=r,
+                reason="still running (stopped by the launcher)",
+                traceback=f"stacks of rank {r}:\n{stacks[r]}" if stacks.get(r) else "",
+                kind="hung",
+                at=now,
+                cause=r in lagging,
+                last_op=_describe_record(records.get(r)),
+            )
+            for r in ranks
+        ]
 
     @staticmethod
     def _forget(waitables: dict[Any, int], rank: int) -> None:
@@ -262,15 +322,23 @@ class _Run:
 
     def _timeout_error(self, outcomes: dict[int, WorkerOutcome]) -> LaunchTimeoutError:
         stuck = [r for r in range(len(self.procs)) if r not in outcomes]
-        failures = [
-            WorkerFailure(rank=r, reason=f"still running after {self._launcher._timeout} s")
-            for r in stuck
-        ]
+        failures = mark_causes(self._hung(stuck))
+        blamed = [f.rank for f in failures if f.cause]
         return LaunchTimeoutError(
             failures,
             summary=f"launch timed out after {self._launcher._timeout} s; "
-            f"rank(s) {stuck} had not finished and were stopped",
+            f"rank(s) {stuck} had not finished and were stopped; rank(s) {blamed} lag behind "
+            "the others (listed first, with what they did last and their stacks)",
         )
+
+    def exit_failures(self) -> list[WorkerFailure]:
+        """Ranks that returned their result and then ended with a non-zero code by themselves."""
+        now = time.time()
+        return [
+            exit_failure(rank, code, "after returning its result", now)
+            for rank, code in enumerate(self._exit_codes)
+            if code not in (None, 0)
+        ]
 
     def stop(self, exit_wait: float) -> None:
         """Stop every worker still running and close the pipes.
@@ -289,6 +357,7 @@ class _Run:
         deadline = time.monotonic() + exit_wait
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._exit_codes = [proc.exitcode for proc in self.procs]
         _signal_groups(self.procs, signal.SIGTERM)
         deadline = time.monotonic() + self._launcher._stop_grace
         for proc in self.procs:
@@ -300,6 +369,72 @@ class _Run:
             self._forwarder.close(timeout=2.0)
         for conn in self.results:
             conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_RECORD = re.compile(r"(in|after) (.+?) #(\d+) group=\[([\d, ]*)\] t=([\d.]+)")
+
+
+def _read_record(path: str) -> tuple[str, str, int, tuple[int, ...], float] | None:
+    """A worker's last coordinator record: (state, operation, number, group, time), or None."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode(errors="replace").strip()
+    except OSError:
+        return None
+    m = _RECORD.fullmatch(text)
+    if m is None:
+        return None
+    group = tuple(int(x) for x in m.group(4).split(",") if x.strip())
+    return m.group(1), m.group(2), int(m.group(3)), group, float(m.group(5))
+
+
+def _describe_record(record: tuple[str, str, int, tuple[int, ...], float] | None) -> str:
+    if record is None:
+        return "none entered yet"
+    state, op, n, group, t = record
+    where = "inside" if state == "in" else "returned from"
+    return f"{where} {op} #{n} on ranks {list(group)}, {time.time() - t:.1f} s ago"
+
+
+def _lagging(records: Mapping[int, Any], live: list[int]) -> list[int]:
+    """Live ranks that did not arrive where others wait: not inside a coordinator operation
+    while a peer of the group is, or inside an earlier one of the same group."""
+    out = []
+    for r in live:
+        mine = records.get(r)
+        for peer, rec in records.items():
+            if peer == r or rec is None or rec[0] != "in" or r not in rec[3]:
+                continue
+            if mine is None or mine[0] != "in" or (mine[3] == rec[3] and mine[2] < rec[2]):
+                out.append(r)
+                break
+    return out
+
+
+def _dump_stacks(procs: Mapping[int, Any], path_of: Any, wait: float = 2.0) -> dict[int, str]:
+    """Ask each live worker for its Python stacks (SIGUSR1 to the worker only) and read them."""
+    for rank, proc in procs.items():
+        with contextlib.suppress(OSError):
+            os.truncate(path_of(rank, "stacks"), 0)
+        with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+            os.kill(proc.pid, signal.SIGUSR1)
+
+    def read_all() -> dict[int, str]:
+        out = {}
+        for rank in procs:
+            try:
+                with open(path_of(rank, "stacks"), errors="replace") as f:
+                    out[rank] = f.read().rstrip()
+            except OSError:
+                out[rank] = ""
+        return out
+
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not all(read_all().values()):
+        time.sleep(0.05)
+    time.sleep(0.1)  # the handler writes in one go; let a dump in progress end
+    return read_all()
 
 
 # launches whose workers may still run; stopped when the interpreter exits (a launch left on a
@@ -398,6 +533,13 @@ class _OutputForwarder:
         self._sel.close()
 
 
+@dataclass(frozen=True, slots=True)
+class _WorkerFiles:
+    """Files the parent reads from a worker: where SIGUSR1 dumps its stacks."""
+
+    stacks: str
+
+
 def _worker_main(
     packed: bytes,
     info: WorkerInfo,
@@ -406,11 +548,15 @@ def _worker_main(
     result_conn: mpc.Connection,
     out_conn: mpc.Connection | None,
     err_conn: mpc.Connection | None,
+    files: _WorkerFiles,
 ) -> None:
-    """Entry point of a worker process."""
+    """Entry point of a worker process; ends the process once its outcome is delivered."""
     _die_with_parent(parent_pid)
     os.setpgid(0, 0)
+    _watch_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    stacks = open(files.stacks, "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     if out_conn is not None and err_conn is not None:
         _redirect(out_conn, err_conn)
     os.environ.update(worker_env(dict(env), info))
@@ -420,6 +566,48 @@ def _worker_main(
         stream.flush()
     result_conn.send(outcome)
     result_conn.close()
+    _exit_after_result()
+
+
+def _exit_after_result() -> None:
+    """End the worker once its result is delivered: the user's exit handlers run, then
+    ``os._exit``. An interpreter's normal shutdown would also destroy the C++ objects of
+    gloo, NIXL or UCX, whose threads can still be joinable then ("terminate called without
+    an active exception"); there is nothing left to clean up that the process's end does not.
+    A crash in an exit handler still shows: the launcher checks exit codes after the results."""
+    code = 0
+    try:
+        _atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - reported like the interpreter would
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _watch_group() -> None:
+    """Fork a watcher that SIGKILLs this worker's process group once the worker is gone.
+
+    The watcher blocks on a pipe whose only write end this worker holds: EOF means the worker
+    ended, however it ended (``PR_SET_PDEATHSIG`` after the parent's SIGKILL included), and the
+    group's other members (what the task started) are stopped with it.
+    """
+    if not hasattr(os, "fork"):
+        return
+    r, w = os.pipe()
+    if os.fork() == 0:  # the watcher: no threads, no Python objects used past this point
+        try:
+            os.closerange(0, r)
+            os.closerange(r + 1, 1 << 16)
+            while os.read(r, 1):
+                pass
+            os.killpg(0, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.close(r)
+    os.set_inheritable(w, False)
 
 
 def _apply_thread_count() -> None:

@@ -19,6 +19,7 @@ node before the work starts, and the rendezvous address must be known first).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -30,9 +31,13 @@ from typing import Any
 from vllm_dist import serialization
 from vllm_dist.implementations.launchers.common import (
     WorkerOutcome,
+    check_n_tasks,
+    check_seconds,
     find_free_port,
     launch_retrying_taken_ports,
+    mark_causes,
     pack_launch,
+    raised_failure,
     run_packed_task,
 )
 from vllm_dist.interfaces import (
@@ -81,8 +86,10 @@ class RayLauncher(Launcher):
         startup_timeout: seconds to reserve the placement group and start the actors; a request
             the cluster could hold but that stays pending longer fails with ``LaunchError``.
         keep_ray: leave a Ray that this launcher connected to or started running after
-            ``launch()`` (the next launch reuses it). A Ray that was already initialized is never
-            shut down.
+            ``launch()`` (default): the next launch of this process reuses it, and it is shut
+            down when the process exits. False shuts it down after each launch; a fresh Ray per
+            launch costs seconds and leaves some of Ray's threads and files behind in the driver
+            each time. A Ray that was already initialized is never shut down.
     """
 
     def __init__(
@@ -96,10 +103,9 @@ class RayLauncher(Launcher):
         runtime_env: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         startup_timeout: float = 300.0,
-        keep_ray: bool = False,
+        keep_ray: bool = True,
     ) -> None:
-        if not isinstance(n_tasks, int) or n_tasks < 1:
-            raise ValueError(f"n_tasks must be a positive int, got {n_tasks!r}")
+        check_n_tasks(n_tasks)
         if num_gpus_per_task < 0 or num_cpus_per_task < 0:
             raise ValueError(
                 f"resources per task must be >= 0, got num_gpus_per_task={num_gpus_per_task!r}, "
@@ -111,9 +117,8 @@ class RayLauncher(Launcher):
             raise ValueError(
                 f"placement_strategy {placement_strategy!r} is not one of {PLACEMENT_STRATEGIES}"
             )
-        for name, value in (("timeout", timeout), ("startup_timeout", startup_timeout)):
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
+        check_seconds("timeout", timeout)
+        check_seconds("startup_timeout", startup_timeout, allow_none=False)
         import_ray()
         self._n_tasks = n_tasks
         self._bundle = {"CPU": float(num_cpus_per_task), "GPU": float(num_gpus_per_task)}
@@ -132,6 +137,7 @@ class RayLauncher(Launcher):
 
     def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
         packed = pack_launch(task_type, kwargs)
+        task_type.check_launch_kwargs(self._n_tasks, **kwargs)
         ray = import_ray()
         serialization.prepare()  # now that ray.cloudpickle is loaded, register there too
         owned = self._connect(ray)
@@ -159,6 +165,8 @@ class RayLauncher(Launcher):
         else:
             needed = math.ceil(self._n_tasks * self._bundle.get("CPU", 0))
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+        if self._keep_ray:
+            atexit.register(ray.shutdown)  # once per Ray started here; a no-op if already down
         return True
 
     def _remote_class(self, ray: Any) -> Any:
@@ -295,7 +303,7 @@ class _Run:
                 time.sleep(0.05)  # ranks failing at about the same time are reported too
                 more, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
                 failures += self._take(more, pending, values, check)
-                raise LaunchError(failures)
+                raise LaunchError(mark_causes(failures))
         return [values[r] for r in range(len(refs))]
 
     def _take(
@@ -433,12 +441,7 @@ def _running_cluster_address() -> str | None:
 def _outcome_failure(rank: int, outcome: WorkerOutcome) -> WorkerFailure | None:
     if outcome.ok:
         return None
-    return WorkerFailure(
-        rank=rank,
-        reason="raised an exception",
-        traceback=outcome.traceback,
-        port_taken=outcome.port_taken,
-    )
+    return raised_failure(rank, outcome, time.time())
 
 
 def _ray_failure(rank: int, exc: Exception) -> WorkerFailure:
@@ -452,9 +455,17 @@ def _ray_failure(rank: int, exc: Exception) -> WorkerFailure:
             rank=rank,
             reason=f"actor died before returning a result (Ray does not report a worker's exit "
             f"code or signal; its output and Ray's logs do): {detail}",
+            kind="exited",
+            at=time.time(),
         )
     if isinstance(exc, RayTaskError):
-        return WorkerFailure(rank=rank, reason="raised an exception in Ray", traceback=str(exc))
+        return WorkerFailure(
+            rank=rank,
+            reason="raised an exception in Ray",
+            traceback=str(exc),
+            kind="raised",
+            at=time.time(),
+        )
     return WorkerFailure(rank=rank, reason=f"{type(exc).__name__}: {_first_lines(str(exc))}")
 
 

@@ -93,6 +93,18 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
     producer_class: ClassVar[type[WeightProducer]] = WeightProducer
     consumer_class: ClassVar[type[WeightConsumer]] = WeightConsumer
 
+    @classmethod
+    def check_launch_kwargs(cls, world_size: int, **kwargs: Any) -> None:
+        """Also refuse fleet sizes that are not positive ints, in the parent (a ``join`` spec
+        brings its own sizes)."""
+        super().check_launch_kwargs(world_size, **kwargs)
+        if kwargs.get("join") is not None:
+            return
+        for name in ("num_producers", "num_consumers"):
+            value = kwargs.get(name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 (ranks of that role), got {value!r}")
+
     def run(self, *, join: JoinSpec | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         if join is not None:
             self.worker_info = join.fleet_info(self.worker_info)
