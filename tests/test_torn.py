@@ -18,7 +18,7 @@ import torch
 
 from tests.test_weight_transfer import _assert_verified, _free_port, _launch, _launch_halves
 from tests.utils import distributed_test
-from vllm_dist import LaunchError
+from vllm_dist import CommunicatorType, LaunchError
 from vllm_dist.examples.llama_tp import llama_shapes, tensor_digest, tiny_llama_config
 from vllm_dist.examples.weight_sync_demo import LlamaTransferTask
 from vllm_dist.tasks.weight_transfer import (
@@ -83,11 +83,24 @@ class ReportingTask(LlamaTransferTask):
     consumer_class = ReportingConsumer
 
 
-@pytest.mark.parametrize("threads", [True, False], ids=["pair_threads", "fleet_order"])
+_TRANSPORTS = {
+    "pair_threads": {"config": TransferConfig(stall_timeout=5.0, push_threads=True)},
+    "fleet_order": {"config": TransferConfig(stall_timeout=5.0, push_threads=False)},
+    # chunk by chunk: a replayed sync serves no chunk one by one
+    "read": {
+        "config": TransferConfig(stall_timeout=5.0, replay=False),
+        "comm": CommunicatorType.NIXL_RDT,
+    },
+}
+
+
+@pytest.mark.parametrize("transport", list(_TRANSPORTS))
 @distributed_test(timeout=120)
 def test_producer_death_mid_sync_leaves_consumers_torn(
-    shapes: dict[str, Any], threads: bool
+    shapes: dict[str, Any], transport: str
 ) -> None:
+    if transport == "read":
+        pytest.importorskip("nixl", reason="needs the nixl package")
     producers, consumers = _launch_halves(
         _free_port(),
         MidSyncDyingTask,
@@ -95,8 +108,8 @@ def test_producer_death_mid_sync_leaves_consumers_torn(
         90,
         syncs=3,
         shapes=shapes,
-        config=TransferConfig(stall_timeout=5.0, push_threads=threads),
         coordinator_options={"timeout": 20.0},
+        **_TRANSPORTS[transport],
     )
     assert isinstance(producers, LaunchError) and "exited with code 9" in str(producers)
     assert isinstance(consumers, LaunchError), consumers
