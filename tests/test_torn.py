@@ -236,6 +236,10 @@ def test_zero_size_weights_sync(shapes: dict[str, Any]) -> None:
         **shapes,
         "model.layers.0.extra.weight": ((0,), dtype),
         "model.layers.1.extra.weight": ((0, 8), dtype),
+        # sliced by tensor-parallel loaders: 0-size strided views on both sides
+        "model.layers.0.extra.o_proj.weight": ((8, 0), dtype),
+        "model.layers.1.extra.down_proj.weight": ((8, 0), dtype),
+        "model.layers.1.extra.embed_tokens.weight": ((0, 8), dtype),
     }
     results = _launch(3, num_producers=1, num_consumers=2, shapes=with_empty, syncs=2)
     _assert_verified(results, 2)

@@ -14,6 +14,7 @@ only by luck. The per-sync cost of the bookkeeping is a counter and a flag, noth
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -501,7 +502,8 @@ class WeightConsumer(EngineBase):
         ``TornModelError`` from ``exc``."""
         for pair in self._pairs.values():
             if pair.replay is not None:
-                pair.replay.close()
+                with contextlib.suppress(Exception):  # the sync's own error is the one to raise
+                    pair.replay.close()
                 pair.replay = None
         if not isinstance(exc, Exception):
             self._torn = self._torn or not intact
