@@ -170,6 +170,7 @@ def test_version_counts_whole_syncs(shapes: dict[str, Any]) -> None:
     assert isinstance(producers, list) and isinstance(consumers, list), (producers, consumers)
     for r in consumers:
         assert all(o["verified"] for o in r["outputs"]), r["outputs"]
+        assert r["version"] == 2 and r["torn"] is False
 
 
 def test_torn_model_error_is_a_runtime_error() -> None:

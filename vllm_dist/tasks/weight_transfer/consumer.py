@@ -7,9 +7,9 @@ or in a staging slot, unpacked from there). A sync hands those to the data path 
 set-up (``paths``).
 
 A consumer knows the version it holds (``version``: the last sync received in full) and whether
-a failed sync left it torn (``torn``); ``TransferConfig(atomic=True)`` receives into a staging
-copy and copies it into the parameters once a sync arrived whole, instead of never being torn
-only by luck. The per-sync cost of the bookkeeping is a counter and a flag, nothing per chunk.
+a failed sync left it torn (``torn``): the bookkeeping is a counter and a flag per sync, nothing
+per chunk. ``TransferConfig(atomic=True)`` receives into a staging copy and copies it into the
+parameters only once a sync arrived whole, so a failed sync leaves the last version intact.
 """
 
 from __future__ import annotations
