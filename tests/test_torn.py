@@ -24,6 +24,7 @@ from vllm_dist.examples.weight_sync_demo import LlamaTransferTask
 from vllm_dist.tasks.weight_transfer import (
     ConsumerSpec,
     StateDictSource,
+    SyncStats,
     TornModelError,
     TransferConfig,
     WeightConsumer,
@@ -244,3 +245,56 @@ def test_zero_size_weights_sync(shapes: dict[str, Any]) -> None:
     }
     results = _launch(3, num_producers=1, num_consumers=2, shapes=with_empty, syncs=2)
     _assert_verified(results, 2)
+
+
+# -- a torn consumer is repaired by the next sync ------------------------------------------------
+class FailingOnceConsumer(WeightConsumer):
+    """Sync 2 lands in full, then raises: the consumer is torn (it cannot know better) and
+    the fleet goes on; the failed sync's stats carry the state it reported."""
+
+    def _make_rings(self) -> Any:
+        path = super()._make_rings()
+        receive = path.receive
+
+        def failing() -> bool:
+            replayed = receive()
+            if self._syncs == 2:
+                raise RuntimeError("INJECTED after sync 2 landed")
+            return replayed
+
+        path.receive = failing  # type: ignore[method-assign]
+        return path
+
+    def sync(self) -> Any:
+        try:
+            return super().sync()
+        except TornModelError as exc:
+            state = f"torn={self.torn} version={self.version} target={exc.target}"
+            return SyncStats(seconds=0.0, bytes=0, chunks=0, path=state)
+
+
+class FailingOnceTask(LlamaTransferTask):
+    consumer_class = FailingOnceConsumer
+
+
+@pytest.mark.parametrize("transport", ["send_recv", "read"])
+@distributed_test(timeout=150)
+def test_the_sync_after_a_torn_one_repairs_it(shapes: dict[str, Any], transport: str) -> None:
+    kw: dict[str, Any] = {}
+    if transport == "read":
+        pytest.importorskip("nixl", reason="needs the nixl package")
+        kw["comm"] = CommunicatorType.NIXL_RDT
+    results = _launch(
+        3, task=FailingOnceTask, num_producers=1, num_consumers=2, shapes=shapes, syncs=4, **kw
+    )
+    _assert_verified(results, 4)
+    for r in results:
+        if r["role"] != "consumer":
+            continue
+        assert r["syncs"][1]["path"] == "torn=True version=1 target=2", r["syncs"]
+        # the sync after the torn one reads every chunk (no replay of a record it dropped)
+        assert r["syncs"][2]["replayed"] is False
+        assert r["version"] == 4 and r["torn"] is False
+    if transport == "read":
+        consumers = [r for r in results if r["role"] == "consumer"]
+        assert all(r["syncs"][3]["replayed"] for r in consumers), [r["syncs"] for r in consumers]
