@@ -39,6 +39,24 @@ class WeightTransferSetupError(RuntimeError):
     """Set-up failed on another rank of the fleet; the message carries that rank's reason."""
 
 
+class UnfilledWeightsError(WeightTransferSetupError):
+    """Set-up found weights a consumer routes that no producer holds, or consumer parameters
+    that no route fills: either would stay stale through every sync."""
+
+
+class TornModelError(RuntimeError):
+    """A sync failed part-way: the consumer's parameters may be part old, part new.
+
+    ``held``: the version fully held before it (None: none yet); ``target``: the version it
+    was receiving. The next successful sync rewrites every parameter it fills.
+    """
+
+    def __init__(self, message: str, *, held: int | None, target: int) -> None:
+        super().__init__(message)
+        self.held = held
+        self.target = target
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TransferConfig:
     """Settings of one weight-transfer deployment; producers and consumers must agree."""
@@ -83,6 +101,14 @@ class TransferConfig:
     replay: bool = True
     """READ path, resident source: a sync in which no tensor moved runs as a replay of the
     last one (one message per consumer). False: every sync chunk by chunk."""
+    allow_unfilled_params: bool = False
+    """Consumer: accept parameters that no route fills (they keep what they hold); by
+    default set-up refuses them, naming them."""
+    atomic: bool = False
+    """Consumer: receive into a staging copy of every parameter it fills and copy it into
+    the live parameters only once the whole sync arrived, so a failed sync leaves the last
+    version intact (never torn). Costs a second copy of those parameters in memory and one
+    device copy of them per sync."""
     push_threads: bool | None = None
     """Push path. True: a thread per (producer, consumer) pair; False: one fleet-wide order
     from each rank's own thread (what NCCL needs). None: False on CUDA, True elsewhere."""

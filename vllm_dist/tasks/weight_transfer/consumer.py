@@ -5,13 +5,19 @@ needs real data fails here), plan the chunks, send every producer the requests r
 with a digest, and build the landing tables (where each chunk lands: straight in its parameter
 or in a staging slot, unpacked from there). A sync hands those to the data path chosen once at
 set-up (``paths``).
+
+A consumer knows the version it holds (``version``: the last sync received in full) and whether
+a failed sync left it torn (``torn``): the bookkeeping is a counter and a flag per sync, nothing
+per chunk. ``TransferConfig(atomic=True)`` receives into a staging copy and copies it into the
+parameters only once a sync arrived whole, so a failed sync leaves the last version intact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -27,7 +33,9 @@ from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
     Route,
     SyncStats,
+    TornModelError,
     TransferConfig,
+    UnfilledWeightsError,
     WeightTransferSetupError,
 )
 from vllm_dist.tasks.weight_transfer.exposure import Exposures, gather_parameters
@@ -97,6 +105,11 @@ class WeightConsumer(EngineBase):
         self.consumer_id = fleet.consumer_ranks.index(rank)
         self.params = params
         self.route = route
+        # where the bytes land: ``params``, or in atomic mode staging copies of those it fills
+        self._recv: Mapping[str, torch.Tensor] = params
+        self._staged: dict[str, torch.Tensor] = {}
+        self._version: int | None = None
+        self._torn = False
         self.chunks: list[Chunk] = []
         self.requests: list[Request] = []
         self._dests: list[torch.Tensor] = []
@@ -167,7 +180,7 @@ class WeightConsumer(EngineBase):
         if self.config.gather_cpu_params and self.communicator.device.type == "cpu":
             # while the producers move their own weights
             moved = gather_parameters(
-                self.params, self.chunks, self._dest_params, self.consumer_id, self.arenas
+                self._recv, self.chunks, self._dest_params, self.consumer_id, self.arenas
             )
             self.gathered_bytes = moved
             self._phase("gather parameters")
@@ -216,7 +229,7 @@ class WeightConsumer(EngineBase):
         self._phase("verdicts")
         if self.config.gather_cpu_params and self.communicator.device.type == "cpu":
             moved = gather_parameters(
-                self.params, self.chunks, self._dest_params, self.consumer_id, self.arenas
+                self._recv, self.chunks, self._dest_params, self.consumer_id, self.arenas
             )
             self.gathered_bytes = moved
             self._phase("gather parameters")
@@ -234,6 +247,8 @@ class WeightConsumer(EngineBase):
         try:
             self.requests, dests = self._bake(index)
             self.bake_seconds = self._phase("bake")
+            if self.config.atomic:
+                self._stage({name for name, _ in dests})
             self._dests = [self._dest_view(name, chain) for name, chain in dests]
             self._dest_params = [name for name, _ in dests]
             self._phase("destination views")
@@ -272,12 +287,15 @@ class WeightConsumer(EngineBase):
         dests: list[tuple[str, Any]] = []
         metas: dict[Any, torch.Tensor] = {}
         baked: dict[Any, list[tuple[Copy, tuple[int, ...]]]] = {}
+        filled: set[str] = set()
+        self._refuse_unheld(index)
         for name in index.names:
             meta = index.meta[name]
             for param_name, loader in self.route(name):
                 dest = self.params.get(param_name)
                 if dest is None:
                     raise KeyError(f"route({name!r}) names parameter {param_name!r}, not in params")
+                filled.add(param_name)
                 lkey = loader_key(loader)
                 key = (
                     None if lkey is None else (meta.shape, meta.dtype, dest.shape, dest.dtype, lkey)
@@ -288,11 +306,36 @@ class WeightConsumer(EngineBase):
                     if key is not None:
                         baked[key] = copies
                 for copy, wire in copies:
+                    if 0 in copy.shape:
+                        continue  # a 0-size slice: nothing to move
                     # what the chain makes of the weight: a view(dtype) reinterprets its bytes
                     dtype = meta.dtype if copy.dtype is None else str(copy.dtype)
                     requests.append(Request(name, copy.src_chain, copy.shape, dtype, wire))
                     dests.append((param_name, copy.dest_chain))
+        unfilled = [n for n in self.params if n not in filled]
+        if unfilled and not self.config.allow_unfilled_params:
+            raise UnfilledWeightsError(
+                f"consumer {self.consumer_id}: no route fills parameter(s) {unfilled[:10]} "
+                f"({len(unfilled)} in all), so they would stay as they are through every sync; "
+                "fix the route, or pass TransferConfig(allow_unfilled_params=True)"
+            )
         return requests, dests
+
+    def _refuse_unheld(self, index: ModelIndex) -> None:
+        """Refuse weights of the model that this consumer routes but no producer holds."""
+        unheld = [n for n in index.meta if n not in index.position]
+        wanted = [n for n in unheld if any(True for _ in self.route(n))]
+        if wanted:
+            raise UnfilledWeightsError(
+                f"consumer {self.consumer_id} routes weight(s) {wanted[:10]} ({len(wanted)} in "
+                "all) that no producer holds, so their parameters would stay stale; make a "
+                "producer hold them (held names) or route them nowhere"
+            )
+
+    def _stage(self, names: set[str]) -> None:
+        """Atomic mode: a staging copy of every parameter the plan fills, where syncs land."""
+        self._staged = {n: p.detach().clone() for n, p in self.params.items() if n in names}
+        self._recv = {**self.params, **self._staged}
 
     def _bake_one(
         self, loader: Loader, meta: Any, dest: torch.Tensor, name: str, metas: dict[Any, Any]
@@ -304,7 +347,7 @@ class WeightConsumer(EngineBase):
         ]
 
     def _dest_view(self, param_name: str, chain: Any) -> torch.Tensor:
-        param = self.params[param_name].data
+        param = self._recv[param_name].data
         if not chain:
             return param
         if self._views.geometry(tuple(param.shape), param.stride(), param.dtype, chain) is None:
@@ -407,11 +450,21 @@ class WeightConsumer(EngineBase):
         if self.trace is not None:
             self.trace.clear()
         self._mark("sync")
-        self._syncs += 1
-        self._packed = 0
         if self._path is None:
             raise RuntimeError("sync() needs setup() (or join()) first")
-        self._replayed = self._path.receive()
+        self._syncs += 1
+        self._packed = 0
+        try:
+            self._replayed = self._path.receive()
+        except BaseException as exc:
+            self._failed(exc, intact=bool(self._staged))
+        if self._staged:
+            try:
+                self._commit()
+            except BaseException as exc:
+                self._failed(exc, intact=False)
+        self._torn = False
+        self._version = self._syncs
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=sum(c.nbytes for c in self.chunks),
@@ -420,6 +473,58 @@ class WeightConsumer(EngineBase):
             packed=self._packed,
             replayed=self._replayed,
         )
+
+    @property
+    def version(self) -> int | None:
+        """The sync whose weights this consumer holds in full (1 for the first), or None
+        before the first; a torn sync does not change it."""
+        return self._version
+
+    @property
+    def torn(self) -> bool:
+        """Whether the last sync failed part-way: parameters may be part old, part new (never
+        in atomic mode). Do not serve until a sync succeeds."""
+        return self._torn
+
+    @property
+    def ready(self) -> bool:
+        """Whether the parameters hold one whole version (a sync succeeded, none tore since)."""
+        return self._version is not None and not self._torn
+
+    def _commit(self) -> None:
+        """Atomic mode: the whole sync arrived in staging; copy it into the parameters."""
+        for name, staged in self._staged.items():
+            self.params[name].data.copy_(staged)
+
+    def _failed(self, exc: BaseException, *, intact: bool) -> NoReturn:
+        """A sync failed: mark the model torn (unless ``intact``: atomic mode, before the
+        commit), forget the replay records (the next sync reads every chunk) and raise
+        ``TornModelError`` from ``exc``."""
+        for pair in self._pairs.values():
+            if pair.replay is not None:
+                with contextlib.suppress(Exception):  # the sync's own error is the one to raise
+                    pair.replay.close()
+                pair.replay = None
+        if not isinstance(exc, Exception):
+            self._torn = self._torn or not intact
+            raise exc
+        target = self._syncs
+        if intact:
+            raise TornModelError(
+                f"consumer {self.consumer_id}: sync {target} failed; atomic mode kept version "
+                f"{self._version} intact (not torn): {type(exc).__name__}: {exc}",
+                held=self._version,
+                target=target,
+            ) from exc
+        self._torn = True
+        raise TornModelError(
+            f"consumer {self.consumer_id}: the model is torn: sync {target} failed part-way "
+            f"(held version {self._version}, going to {target}), so parameters may be part "
+            f"old, part new; do not serve it until a sync succeeds: "
+            f"{type(exc).__name__}: {exc}",
+            held=self._version,
+            target=target,
+        ) from exc
 
     def _target(self, j: int) -> torch.Tensor:
         """Where chunk ``j``'s bytes land: its destination (direct) or its staging slot."""

@@ -86,7 +86,8 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
 
     ``launch(..., num_producers=P, num_consumers=C, syncs=1, config=TransferConfig(...),
     join=None, **task_kwargs)``; ``task_kwargs`` reach the hooks. Returns, per rank, a dict with
-    the role, index, set-up seconds, per-sync stats and whatever the step hooks returned.
+    the role, index, set-up seconds, per-sync stats and whatever the step hooks returned; a
+    consumer's also has its ``version`` and ``torn`` (see ``WeightConsumer``).
     """
 
     required_ops: ClassVar[frozenset[CommOp]] = frozenset()
@@ -180,6 +181,8 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
         finally:
             engine.close()
         result = self._result("consumer", cid, engine.setup_seconds, stats, outputs)
+        result["version"] = engine.version
+        result["torn"] = engine.torn
         result["bake_seconds"] = engine.bake_seconds
         result["gathered_bytes"] = engine.gathered_bytes
         result["setup_phases"] = engine.setup_phases

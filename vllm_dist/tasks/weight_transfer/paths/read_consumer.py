@@ -181,7 +181,7 @@ class ConsumerRead(ConsumerPath):
                 break
             if direct is None and not (self._strided and len(self.chunks[i].items) == 1):
                 continue  # strided reads may land in place: their copies are cached if pinned
-            param = self.engine.params[self.engine._dest_params[self.chunks[i].items[0]]].data
+            param = self.engine._recv[self.engine._dest_params[self.chunks[i].items[0]]].data
             key = param.untyped_storage().data_ptr()
             if key not in pinned and param.is_contiguous():
                 pinned.add(key)
