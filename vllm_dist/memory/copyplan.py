@@ -94,7 +94,7 @@ def _kind(layout: tuple[Any, ...]) -> _Kind:
     widths += (size,)
     gather = rowwise and dshape == sshape and ddev == sdev and size in INT_OF_SIZE
     offsets = (_row_offsets(dshape, dstr, size), _row_offsets(sshape, sstr, size))
-    rows = numel // dshape[-1] if len(dshape) and dshape[-1] else 1  # an empty row: no copy
+    rows = 1 if not dshape else (numel // dshape[-1] if dshape[-1] else 0)  # 0: nothing to copy
     return _Kind(nbytes, False, gather, widths, rows, offsets if gather else None, contiguous)
 
 
