@@ -759,7 +759,8 @@ def test_options_are_validated() -> None:
 def test_ray_rdt_version_guard() -> None:
     assert nixl_rdt.RDT_MIN_RAY_VERSION == "2.56.0"
     assert nixl_rdt.check_ray_rdt_version("2.60.0") == "2.60.0"
-    assert nixl_rdt.check_ray_rdt_version("2.56.0rc1") == "2.56.0rc1"
+    with pytest.raises(nixl_rdt.RayRdtUnavailableError, match=r"too old"):
+        nixl_rdt.check_ray_rdt_version("2.56.0rc1")  # a pre-release of the floor is older
     with pytest.raises(nixl_rdt.RayRdtUnavailableError, match=r"pip install -U"):
         nixl_rdt.check_ray_rdt_version("2.55.1")
     assert nixl_rdt.ray_rdt_env({}) == {nixl_rdt.CUDA_IPC_GET_ZCOPY: "y"}

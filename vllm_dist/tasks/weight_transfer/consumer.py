@@ -323,14 +323,7 @@ class WeightConsumer(EngineBase):
 
     def _refuse_unheld(self, index: ModelIndex) -> None:
         """Refuse weights of the model that this consumer routes but no producer holds."""
-        unheld = [n for n in index.meta if n not in index.position]
-        wanted = [n for n in unheld if any(True for _ in self.route(n))]
-        if wanted:
-            raise UnfilledWeightsError(
-                f"consumer {self.consumer_id} routes weight(s) {wanted[:10]} ({len(wanted)} in "
-                "all) that no producer holds, so their parameters would stay stale; make a "
-                "producer hold them (held names) or route them nowhere"
-            )
+        refuse_unheld(self.consumer_id, index, self.route)
 
     def _stage(self, names: set[str]) -> None:
         """Atomic mode: a staging copy of every parameter the plan fills, where syncs land."""
@@ -508,23 +501,9 @@ class WeightConsumer(EngineBase):
         if not isinstance(exc, Exception):
             self._torn = self._torn or not intact
             raise exc
-        target = self._syncs
-        if intact:
-            raise TornModelError(
-                f"consumer {self.consumer_id}: sync {target} failed; atomic mode kept version "
-                f"{self._version} intact (not torn): {type(exc).__name__}: {exc}",
-                held=self._version,
-                target=target,
-            ) from exc
-        self._torn = True
-        raise TornModelError(
-            f"consumer {self.consumer_id}: the model is torn: sync {target} failed part-way "
-            f"(held version {self._version}, going to {target}), so parameters may be part "
-            f"old, part new; do not serve it until a sync succeeds: "
-            f"{type(exc).__name__}: {exc}",
-            held=self._version,
-            target=target,
-        ) from exc
+        if not intact:
+            self._torn = True
+        raise torn_error(self.consumer_id, self._syncs, self._version, exc, intact=intact) from exc
 
     def _target(self, j: int) -> torch.Tensor:
         """Where chunk ``j``'s bytes land: its destination (direct) or its staging slot."""
@@ -594,3 +573,38 @@ class WeightConsumer(EngineBase):
         self._pairs.clear()
         if self._exposures is not None:
             self._exposures.close()
+
+
+def refuse_unheld(consumer_id: int, index: ModelIndex, route: Callable[[str], Any]) -> None:
+    """Raise ``UnfilledWeightsError`` for weights ``route`` sends somewhere that no producer
+    holds: their parameters would stay stale."""
+    unheld = [n for n in index.meta if n not in index.position]
+    wanted = [n for n in unheld if any(True for _ in route(n))]
+    if wanted:
+        raise UnfilledWeightsError(
+            f"consumer {consumer_id} routes weight(s) {wanted[:10]} ({len(wanted)} in "
+            "all) that no producer holds, so their parameters would stay stale; make a "
+            "producer hold them (held names) or route them nowhere"
+        )
+
+
+def torn_error(
+    consumer_id: int, target: int, held: int | None, exc: BaseException, *, intact: bool
+) -> TornModelError:
+    """The error of sync ``target`` failing with ``exc``: the model is torn, unless ``intact``
+    (atomic mode failed before its commit: version ``held`` is whole)."""
+    if intact:
+        return TornModelError(
+            f"consumer {consumer_id}: sync {target} failed; atomic mode kept version "
+            f"{held} intact (not torn): {type(exc).__name__}: {exc}",
+            held=held,
+            target=target,
+        )
+    return TornModelError(
+        f"consumer {consumer_id}: the model is torn: sync {target} failed part-way "
+        f"(held version {held}, going to {target}), so parameters may be part "
+        f"old, part new; do not serve it until a sync succeeds: "
+        f"{type(exc).__name__}: {exc}",
+        held=held,
+        target=target,
+    )
