@@ -323,7 +323,9 @@ class WeightConsumer(EngineBase):
 
     def _refuse_unheld(self, index: ModelIndex) -> None:
         """Refuse weights of the model that this consumer routes but no producer holds."""
-        refuse_unheld(self.consumer_id, index, self.route)
+        wanted = unheld_routed(index, self.route)
+        if wanted:
+            raise unheld_error(self.consumer_id, wanted)
 
     def _stage(self, names: set[str]) -> None:
         """Atomic mode: a staging copy of every parameter the plan fills, where syncs land."""
@@ -575,17 +577,19 @@ class WeightConsumer(EngineBase):
             self._exposures.close()
 
 
-def refuse_unheld(consumer_id: int, index: ModelIndex, route: Callable[[str], Any]) -> None:
-    """Raise ``UnfilledWeightsError`` for weights ``route`` sends somewhere that no producer
-    holds: their parameters would stay stale."""
+def unheld_routed(index: ModelIndex, route: Callable[[str], Any]) -> list[str]:
+    """The weights ``route`` sends somewhere that no producer holds."""
     unheld = [n for n in index.meta if n not in index.position]
-    wanted = [n for n in unheld if any(True for _ in route(n))]
-    if wanted:
-        raise UnfilledWeightsError(
-            f"consumer {consumer_id} routes weight(s) {wanted[:10]} ({len(wanted)} in "
-            "all) that no producer holds, so their parameters would stay stale; make a "
-            "producer hold them (held names) or route them nowhere"
-        )
+    return [n for n in unheld if any(True for _ in route(n))]
+
+
+def unheld_error(consumer_id: int, wanted: list[str]) -> UnfilledWeightsError:
+    """The set-up error for routed weights ``wanted`` that no producer holds."""
+    return UnfilledWeightsError(
+        f"consumer {consumer_id} routes weight(s) {wanted[:10]} ({len(wanted)} in "
+        "all) that no producer holds, so their parameters would stay stale; make a "
+        "producer hold them (held names) or route them nowhere"
+    )
 
 
 def torn_error(
