@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 LAUNCH_ID_ENV = "VLLM_DIST_LAUNCH_ID"  # WorkerInfo.launch_id in a worker's environment
 # a file where a worker's coordinator records the operation it entered last; the launcher reads it
 # to name the rank that never arrived when a collective or the launch times out
 PROGRESS_FILE_ENV = "VLLM_DIST_PROGRESS_FILE"
+# the launch's shared secret (hex) for workers that a vllm_dist launcher did not start (torchrun,
+# srun, mpirun); our launchers hand it over their own channel and never export it
+SECRET_ENV = "VLLM_DIST_SECRET"
 
 
 def new_launch_id() -> str:
@@ -24,6 +27,13 @@ def new_launch_id() -> str:
     import secrets
 
     return secrets.token_hex(8)
+
+
+def new_secret() -> bytes:
+    """A fresh launch secret (``WorkerInfo.secret``): 32 random bytes."""
+    import secrets
+
+    return secrets.token_bytes(32)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +45,11 @@ class WorkerInfo:
     it, so that a worker of another launch that reaches the same port (two launches that drew
     the same free port at once) cannot take a place in this one's rendezvous. Empty (torchrun's
     workers, a fleet that two launches join at a port they agreed on): no such fence.
+    ``secret`` is what every member of the launch holds and a stranger does not: the coordinator
+    admits a peer to the rendezvous, and believes its messages, only once it proved it holds it.
+    Empty: no launcher handed one over (torchrun without ``VLLM_DIST_SECRET``), and the control
+    plane is as open as torch's own. It is never printed and never exported to the environment.
+    ``restart_count``: how many times the launcher restarted this launch before this try.
     """
 
     rank: int
@@ -45,6 +60,8 @@ class WorkerInfo:
     master_port: int
     node_rank: int = 0
     launch_id: str = ""
+    secret: bytes = field(default=b"", repr=False, compare=False)
+    restart_count: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -83,8 +100,7 @@ class WorkerInfo:
         from vllm_dist.interfaces.worker_env import worker_fields
 
         fields = worker_fields(os.environ if environ is None else environ)
-        # restart_count is read for the launchers that set it; kept where WorkerInfo has it
-        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
+        return cls(**fields)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

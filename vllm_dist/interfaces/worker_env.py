@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_dist.interfaces.launcher import LAUNCH_ID_ENV
+from vllm_dist.interfaces.launcher import LAUNCH_ID_ENV, SECRET_ENV
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID")
@@ -28,18 +28,18 @@ _OMPI = (
 
 
 def worker_fields(env: Mapping[str, str]) -> dict[str, Any]:
-    """``WorkerInfo`` fields (plus ``restart_count``) from a launcher's environment.
+    """``WorkerInfo`` fields from a launcher's environment (the secret from ``VLLM_DIST_SECRET``).
 
     Raises:
         ValueError: no known launcher's variables are present, or some are missing; the
             message names the missing variables and how to provide them.
     """
     if "RANK" in env or "WORLD_SIZE" in env:
-        return _torchrun(env)
+        return {**_torchrun(env), "secret": _secret(env)}
     if "SLURM_PROCID" in env:
-        return _slurm(env)
+        return {**_slurm(env), "secret": _secret(env)}
     if "OMPI_COMM_WORLD_RANK" in env:
-        return _ompi(env)
+        return {**_ompi(env), "secret": _secret(env)}
     raise ValueError(
         f"missing environment variables {list(_TORCHRUN)}: start the worker with a vllm_dist "
         "launcher, torchrun, srun or mpirun, or set them yourself"
@@ -154,6 +154,22 @@ def _ompi(env: Mapping[str, str]) -> dict[str, Any]:
         "launch_id": env.get(LAUNCH_ID_ENV, ""),
         "restart_count": 0,
     }
+
+
+def _secret(env: Mapping[str, str]) -> bytes:
+    text = env.get(SECRET_ENV, "").strip()
+    if not text:
+        return b""
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(
+            f"{SECRET_ENV} must be hex (for example from `python -c 'import secrets; "
+            f"print(secrets.token_hex(32))'`), got {len(text)} characters that are not"
+        ) from None
+    if len(secret) < 16:
+        raise ValueError(f"{SECRET_ENV} holds {len(secret)} bytes; give at least 16 (32 hex digits)")
+    return secret
 
 
 def _restarts(env: Mapping[str, str], name: str) -> int:

@@ -62,7 +62,7 @@ from vllm_dist.interfaces import (
     WorkerFailure,
     WorkerInfo,
 )
-from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, new_launch_id
+from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, new_launch_id, new_secret
 
 _PR_SET_PDEATHSIG = 1
 
@@ -167,7 +167,7 @@ class _Run:
     def start(self) -> None:
         _stop_at_exit(self)
         n = self._launcher.n_tasks
-        launch_id = new_launch_id()
+        launch_id, secret = new_launch_id(), new_secret()  # the secret travels on our own pipe
         for rank in range(n):
             info = WorkerInfo(
                 rank=rank,
@@ -177,6 +177,7 @@ class _Run:
                 master_addr=self._launcher._master_addr,
                 master_port=self._port,
                 launch_id=launch_id,
+                secret=secret,
             )
             self._start_one(info)
         if self._forwarder is not None:

@@ -49,7 +49,7 @@ from vllm_dist.interfaces import (
     WorkerFailure,
     WorkerInfo,
 )
-from vllm_dist.interfaces.launcher import new_launch_id
+from vllm_dist.interfaces.launcher import new_launch_id, new_secret
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _INLINE_LIMIT = 1 << 20  # packed launches above this go through the object store once
@@ -363,6 +363,7 @@ def worker_infos(placements: Sequence[_Placement]) -> list[WorkerInfo]:
     node_ranks: dict[str, int] = {}
     members: dict[str, list[int]] = {}
     launch_id = new_launch_id()  # one per try: a try again on another port is another launch
+    secret = new_secret()  # reaches the actors through Ray's own channel, never the environment
     for rank, p in enumerate(placements):
         node_ranks.setdefault(p.node_id, len(node_ranks))
         members.setdefault(p.node_id, []).append(rank)
@@ -376,6 +377,7 @@ def worker_infos(placements: Sequence[_Placement]) -> list[WorkerInfo]:
             master_port=master.free_port,
             node_rank=node_ranks[p.node_id],
             launch_id=launch_id,
+            secret=secret,
         )
         for rank, p in enumerate(placements)
     ]
