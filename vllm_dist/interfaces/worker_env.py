@@ -168,7 +168,9 @@ def _secret(env: Mapping[str, str]) -> bytes:
             f"print(secrets.token_hex(32))'`), got {len(text)} characters that are not"
         ) from None
     if len(secret) < 16:
-        raise ValueError(f"{SECRET_ENV} holds {len(secret)} bytes; give at least 16 (32 hex digits)")
+        raise ValueError(
+            f"{SECRET_ENV} holds {len(secret)} bytes; give at least 16 (32 hex digits)"
+        )
     return secret
 
 
