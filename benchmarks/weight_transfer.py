@@ -302,6 +302,7 @@ def run_case(
         mapped_unpack=not args.no_mapped_unpack,
         replay=not args.no_replay,
         gather_cpu_params=not args.no_gather_params,
+        atomic=args.atomic,
     )
     # one intra-op thread per worker, as torchrun sets: workers share the cores
     env = {"OMP_NUM_THREADS": str(args.threads)}
@@ -355,6 +356,7 @@ def run_case(
         "replay": not args.no_replay,
         "mapped_unpack": not args.no_mapped_unpack,
         "gather_params": not args.no_gather_params,
+        "atomic": args.atomic,
         "in_place": args.in_place,
         "flat": args.flat,
         "fused_experts": args.fused_experts,
@@ -461,6 +463,12 @@ def main() -> None:
         action="store_true",
         help="TransferConfig(gather_cpu_params=False): CPU consumers leave their parameters "
         "where they are (100,000 tensors of their own) instead of moving them into one arena",
+    )
+    ap.add_argument(
+        "--atomic",
+        action="store_true",
+        help="TransferConfig(atomic=True): consumers receive into a staging copy and commit "
+        "it once the whole sync arrived (what never serving a torn model costs)",
     )
     ap.add_argument(
         "--in-place",
