@@ -8,6 +8,7 @@ from vllm_dist.implementations.communicators.nixl.agent import (
     NixlProtocolError,
     NixlTimeoutError,
     NixlTransferError,
+    ReadOnlyExposureError,
 )
 from vllm_dist.implementations.communicators.nixl.communicator import NixlRdtCommunicator
 from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
@@ -37,6 +38,7 @@ __all__ = [
     "NixlTransferError",
     "PreparedReads",
     "RayRdtUnavailableError",
+    "ReadOnlyExposureError",
     "SharedMemoryHandle",
     "check_ray_rdt_version",
     "prepare_ray_rdt_actor",
