@@ -121,14 +121,21 @@ def load_nixl() -> Any:
 _AGENT_LOCK = threading.Lock()
 
 
-def new_agent(api: Any, name: str, config: Any, delay_us: int) -> Any:
-    """``api.nixl_agent(name, config)`` with the progress thread's poll delay set, and UCX kept
-    on loopback for a loopback launch (``network.ucx_env``, set only while the agent is made).
+def new_agent(api: Any, name: str, opts: NixlOptions, delay_us: int) -> Any:
+    """``api.nixl_agent(name, config)`` of ``opts`` with the progress thread's poll delay set,
+    no NIXL listener thread, and UCX kept on loopback for a loopback launch
+    (``network.ucx_env``, set only while the agent is made).
 
     ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` itself and hard-codes
     ``pthrDelay = 0``; for the length of the call the binding's config class is swapped for a
     subclass that turns that 0 into ``delay_us`` (under a lock: one agent is built at a time).
     """
+    config = api.nixl_agent_config(
+        enable_prog_thread=True,  # a target makes progress without calling us (one-sided)
+        enable_listen_thread=False,  # no port of NIXL's own: agents meet via the coordinator
+        backends=list(opts.backends),
+        num_threads=opts.num_threads,
+    )
     bind = api.nixlBind
     base = bind.nixlAgentConfig
     field_ = base.pthrDelay

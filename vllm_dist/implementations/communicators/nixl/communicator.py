@@ -44,7 +44,7 @@ from vllm_dist.implementations.communicators.nixl.agent import (
     unavailable_reason,
 )
 from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
-from vllm_dist.implementations.communicators.nixl.mapping import PeerMaps, grant_storage
+from vllm_dist.implementations.communicators.nixl.mapping import PeerMaps
 from vllm_dist.implementations.communicators.nixl.network import nixl_listens_on
 from vllm_dist.implementations.communicators.nixl.notifications import (
     Done,
@@ -108,16 +108,9 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._name = (
             f"vllm_dist-r{coordinator.get_global_ranks()[self._rank]}-{uuid.uuid4().hex[:12]}"
         )
-        config = api.nixl_agent_config(
-            enable_prog_thread=True,  # a target makes progress without calling us (one-sided)
-            enable_listen_thread=False,  # no port of NIXL's own: agents meet via the coordinator
-            backends=list(self._opts.backends),
-            num_threads=self._opts.num_threads,
-        )
         delay = self._opts.progress_delay_us
         self._progress_delay_us = (0 if cuda else 1) if delay is None else delay
-        self._listens_on = nixl_listens_on()  # what new_agent binds UCX to
-        self._slot = AgentSlot(new_agent(api, self._name, config, self._progress_delay_us))
+        self._slot = AgentSlot(new_agent(api, self._name, self._opts, self._progress_delay_us))
         self._cache = RegistrationCache(self._slot, self._opts.max_cached_registrations)
         self._peers = Peers(self._slot, self._rank)
         self._maps = PeerMaps(
@@ -227,13 +220,11 @@ class NixlRdtCommunicator(DeviceCommunicator):
 
     # -- exposure ----------------------------------------------------------------------------
     def expose(self, tensor: torch.Tensor, name: str, *, writable: bool = False) -> ExposedBuffer:
-        """Register ``tensor`` under ``name`` so peers may ``read`` it (and ``write`` it where
-        ``writable``: a WRITE target); local only.
+        """Register ``tensor`` under ``name`` so peers may ``read`` it, and ``write`` it where
+        ``writable`` (a WRITE target; ``mapping`` says how read-only is enforced); local only.
 
         Peers learn of it through ``exchange_exposed()`` or by ``import_exposed`` of the returned
         descriptor. The tensor stays registered (and alive) until ``unexpose(name)`` or ``close()``.
-        Same-node peers map a read-only exposure read-only (shared memory); through NIXL, or on a
-        CUDA IPC mapping, read-only is enforced by the peer's communicator only.
 
         Raises:
             ValueError: ``name`` is already exposed, or the tensor is on the wrong device.
@@ -243,7 +234,6 @@ class NixlRdtCommunicator(DeviceCommunicator):
             raise ValueError(f"a buffer is already exposed as {name!r}; unexpose it first")
         reg = self._cache.register(tensor)
         reg.pinned += 1
-        reg.writable += writable
         desc = ExposedBuffer(
             rank=self._rank,
             name=name,
@@ -254,7 +244,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
             mem_type=reg.mem_type,
             epoch=self._cache.epoch,
             metadata=self._slot.get().get_agent_metadata(),
-            mapping=self._maps.handle(tensor, reg.writable > 0),  # a storage's widest access
+            mapping=self._maps.handle(tensor, reg, writable),
             writable=writable,
         )
         self._cache.exposed[name] = (desc, reg)
@@ -268,9 +258,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
             known = sorted(self._cache.exposed)
             raise ValueError(f"nothing is exposed as {name!r}; exposed: {known}") from None
         reg.pinned -= 1
-        reg.writable -= desc.writable
-        if reg.pinned == 0 or (desc.writable and not reg.writable):
-            grant_storage(reg.storage, writable=reg.pinned == 0)  # unexposed: as it was
+        self._maps.release(reg, desc.writable)
         self._planner.clear()  # cached copy views may hold the released memory
         self._cache.evict()
 
@@ -506,11 +494,9 @@ class NixlRdtCommunicator(DeviceCommunicator):
         agent = self._slot.take()
         if agent is None:
             return
-        self._maps.close()  # no copy may still use a peer's mapping
+        self._maps.close([reg for _, reg in self._cache.exposed.values()])
         self._planner.clear()
         self._tp.close()
-        for _, reg in self._cache.exposed.values():
-            grant_storage(reg.storage, writable=True)  # unexposed: as it was
         self._cache.release_all(agent)
         self._peers.forget(agent)
         del agent
@@ -536,7 +522,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
             "ucx_env_set_by_vllm_dist": self._set_ucx_env,
             "maps_peer_memory": self._maps.enabled and self._maps.backend,
             "progress_delay_us": self._progress_delay_us,
-            "listens_on": self._listens_on,
+            "listens_on": nixl_listens_on(),  # what new_agent bound UCX to
         }
         with contextlib.suppress(Exception):
             from importlib import metadata

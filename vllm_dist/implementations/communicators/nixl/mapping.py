@@ -23,12 +23,16 @@ import mmap
 import os
 import stat
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_dist.implementations.communicators.nixl.agent import ReadOnlyExposureError
+from vllm_dist.implementations.communicators.nixl.agent import (
+    ReadOnlyExposureError,
+    Registration,
+)
 
 if TYPE_CHECKING:
     from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
@@ -211,15 +215,23 @@ class PeerMaps:
         self._maps: dict[tuple[int, str, int], torch.Tensor | None] = {}
 
     def handle(
-        self, tensor: torch.Tensor, writable: bool
+        self, tensor: torch.Tensor, reg: Registration, writable: bool
     ) -> CudaIpcHandle | SharedMemoryHandle | None:
-        """What a same-node peer needs to map ``tensor``, read-only unless ``writable``
-        (None: peers go through NIXL)."""
+        """What a same-node peer needs to map ``tensor``, exposed now (``writable`` or not) from
+        registration ``reg``; None: peers go through NIXL. A storage gets its exposures' widest
+        access."""
+        reg.writable += writable
         if not self.enabled:
             return None
         if tensor.is_cuda:
             return CudaIpcHandle.of(tensor)
-        return SharedMemoryHandle.of(tensor, writable)
+        return SharedMemoryHandle.of(tensor, reg.writable > 0)
+
+    def release(self, reg: Registration, writable: bool) -> None:
+        """One exposure (``writable`` or not) of ``reg`` ended: from now on peers may open its
+        storage for writing only while a writable exposure remains, or once none does."""
+        reg.writable -= writable
+        grant_storage(reg.storage, writable=reg.writable > 0 or reg.pinned == 0)
 
     def open(self, peer: int, remote: ExposedBuffer) -> torch.Tensor | None:
         """The peer's exposed buffer mapped here, or None (NIXL carries it)."""
@@ -235,8 +247,11 @@ class PeerMaps:
                 self._maps[key] = None
         return self._maps[key]
 
-    def close(self) -> None:
-        """Drop every mapping once no copy may still use one."""
+    def close(self, exposed: Iterable[Registration] = ()) -> None:
+        """Drop every mapping once no copy may still use one; hand the storages of ``exposed``
+        (registrations still exposed) back writable, as they were."""
+        for reg in exposed:
+            grant_storage(reg.storage, writable=True)
         if self._maps and self._cuda:
             torch.cuda.synchronize(self._device)
         self._maps.clear()
