@@ -241,22 +241,25 @@ def test_write_target_is_mapped_read_write_cpu() -> None:
 
 
 class ListenTask(GlobalCoordinatorDistributedTask):
-    """Every worker builds a second NIXL agent and reports the TCP sockets it added."""
+    """Every worker builds a second NIXL agent and reports the TCP sockets it listens on: those
+    the agent added, and all of them while both agents exist."""
 
     def post_init_distributed(self, **_: Any) -> Any:
         before = set(listening_sockets())
         comm = NixlRdtCommunicator(self.coordinator, device="cpu", timeout=30.0)
         try:
-            added = sorted(set(listening_sockets()) - before)
+            now = listening_sockets()
             facts = comm.describe()
+            self.coordinator.barrier()  # every peer has connected to this agent: it may close
         finally:
             comm.close()
         return {
-            "added": added,
-            "all": listening_sockets(),
+            "added": sorted(set(now) - before),
+            "all": now,
             "listens_on": facts["listens_on"],
             "env_left": os.environ.get(NET_DEVICES),
             "master": os.environ["MASTER_ADDR"],
+            "store_port": int(os.environ["MASTER_PORT"]),
         }
 
 
@@ -268,6 +271,10 @@ def test_nixl_listens_on_loopback_only_for_a_loopback_launch() -> None:
         assert is_loopback(facts["master"]), facts
         assert "loopback only" in facts["listens_on"], facts
         assert all(is_loopback(host) for host, _ in facts["added"]), facts
+        # every listener of the worker, both agents' among them, is on loopback; the rendezvous
+        # store on MASTER_PORT is the control plane's (rank 0 hosts it)
+        others = [(h, p) for h, p in facts["all"] if p != facts["store_port"]]
+        assert all(is_loopback(host) for host, _ in others), facts
         assert facts["env_left"] is None, facts  # set only while the agent was made
 
 
