@@ -32,6 +32,7 @@ from vllm_dist.memory import shared_empty
 pytest.importorskip("nixl", reason="needs the nixl package (pip install 'vllm_dist[nixl]')")
 
 from vllm_dist.implementations.communicators import nixl_rdt  # noqa: E402
+from vllm_dist.implementations.communicators.nixl import ReadOnlyExposureError  # noqa: E402
 
 SIZES = [1, 3, 4096, (1 << 20) + 7, 64 << 20]
 LAUNCH_TIMEOUT = 120.0
@@ -94,16 +95,20 @@ class OneSidedTask(GlobalCoordinatorDistributedTask):
         nbytes = 8 << 20
         if rank == 1:  # on the CPU in shared memory: a peer on the node may map them
             buf = shared_empty(nbytes, dev).copy_(pattern(nbytes, 11, dev))
-            desc = comm.expose(buf, "weights")  # type: ignore[attr-defined]
-            assert desc.nbytes == nbytes and desc.rank == 1
+            desc = comm.expose(buf, "weights", writable=True)  # type: ignore[attr-defined]
+            assert desc.nbytes == nbytes and desc.rank == 1 and desc.writable
             bias = shared_empty(3 << 20, dev).copy_(pattern(3 << 20, 12, dev))
-            comm.expose(bias, "bias")  # type: ignore[attr-defined]
+            comm.expose(bias, "bias", writable=True)  # type: ignore[attr-defined]
+            comm.expose(shared_empty(64, dev), "read-only")  # type: ignore[attr-defined]
         else:
             comm.expose(torch.zeros(16, dtype=torch.uint8, device=dev), "unused")  # type: ignore[attr-defined]
         table = comm.exchange_exposed()  # type: ignore[attr-defined]
         ref = pattern(nbytes, 11)
         if rank == 0:
-            assert set(table[1]) == {"weights", "bias"}
+            assert set(table[1]) == {"weights", "bias", "read-only"}
+            assert not table[1]["read-only"].writable
+            with pytest.raises(ReadOnlyExposureError, match="read-only"):
+                comm.write(1, "read-only", torch.ones(8, dtype=torch.uint8, device=dev))  # type: ignore[attr-defined]
             # one descriptor, with an offset
             out = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
             comm.read(1, "weights", out, remote_offset=12345)  # type: ignore[attr-defined]
@@ -353,7 +358,7 @@ class RepeatTask(GlobalCoordinatorDistributedTask):
         dev = str(self.device)
         rank = self.coordinator.get_rank()
         buf = torch.zeros(1 << 16, dtype=torch.uint8, device=dev)
-        comm.expose(buf, "ring")  # type: ignore[attr-defined]
+        comm.expose(buf, "ring", writable=True)  # type: ignore[attr-defined]
         comm.exchange_exposed()  # type: ignore[attr-defined]
         counts = []
         for i in range(rounds):
@@ -402,11 +407,17 @@ def test_shared_memory_handle_maps_a_cpu_storage() -> None:
     handle = nixl_rdt.SharedMemoryHandle.of(view)
     assert handle is not None and base.untyped_storage().is_shared()
     assert handle.offset == 16 * 4 and handle.nbytes == 16 * 4 and handle.size == 64 * 4
-    mapped = handle.open()
+    mapped = handle.open()  # read-only: a handle made without write access
     assert mapped is not None and mapped.data_ptr() != view.data_ptr()
     assert torch.equal(mapped.view(torch.int32), torch.arange(16, 32, dtype=torch.int32))
-    mapped.view(torch.int32)[0] = -7  # the mapping and the tensor are the same memory
-    assert int(base[16]) == -7 and int(view[0]) == -7
+    with pytest.raises(ReadOnlyExposureError, match="read-only"):
+        handle.open(writable=True)
+    rw = nixl_rdt.SharedMemoryHandle.of(view, writable=True)
+    assert rw is not None
+    written = rw.open(writable=True)
+    assert written is not None
+    written.view(torch.int32)[0] = -7  # the mapping and the tensor are the same memory
+    assert int(base[16]) == -7 and int(view[0]) == -7 and int(mapped.view(torch.int32)[0]) == -7
     moved = torch.arange(8, dtype=torch.int64)
     moved.share_memory_()  # a trainer's model.share_memory()
     again = nixl_rdt.SharedMemoryHandle.of(moved[2:])
@@ -722,8 +733,9 @@ def test_exposed_buffer_byte_codec_round_trips_and_refuses_forgeries(tmp_path: A
         node="n/boot", device_uuid="GPU-1", rebuild=(rebuild_cuda_tensor, ipc_args)
     )
     for mapping in (None, shm, ipc):
-        desc = nixl_rdt.ExposedBuffer(**base, mapping=mapping)  # type: ignore[arg-type]
-        assert nixl_rdt.ExposedBuffer.from_bytes(desc.to_bytes()) == desc
+        for writable in (False, True):
+            desc = nixl_rdt.ExposedBuffer(**base, mapping=mapping, writable=writable)  # type: ignore[arg-type]
+            assert nixl_rdt.ExposedBuffer.from_bytes(desc.to_bytes()) == desc
     evil = nixl_rdt.CudaIpcHandle(node="n", device_uuid="u", rebuild=(os.system, ("true",)))
     with pytest.raises(TypeError, match="flat uint8"):
         nixl_rdt.ExposedBuffer(**base, mapping=evil).to_bytes()  # type: ignore[arg-type]
@@ -732,7 +744,8 @@ def test_exposed_buffer_byte_codec_round_trips_and_refuses_forgeries(tmp_path: A
     forged = [
         (pickle.dumps(_Forged(marker)), "not JSON"),
         (b"[1, 2]", "version"),
-        (json.dumps({**good, "v": 2}).encode(), "version 2"),
+        (json.dumps({**good, "v": 1}).encode(), "version 1"),
+        (json.dumps({**good, "writable": 1}).encode(), "'writable' must be bool"),
         (json.dumps({**good, "addr": "0x10"}).encode(), "'addr' must be int"),
         (json.dumps({**good, "epoch": True}).encode(), "'epoch' must be int"),
         (json.dumps({**good, "nbytes": -1}).encode(), "out of range"),

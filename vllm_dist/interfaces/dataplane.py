@@ -58,6 +58,11 @@ class ExposedDescriptor(Protocol):
         """What a same-node peer needs to map the buffer, or None (peers go through the wire)."""
         ...
 
+    @property
+    def writable(self) -> bool:
+        """Whether the owner lets peers write the buffer (a WRITE target); else READ only."""
+        ...
+
     def to_bytes(self) -> bytes:
         """The descriptor as bytes for a byte channel; never a pickle."""
         ...
@@ -80,16 +85,19 @@ class PreparedReadSet(Protocol):
 class OneSidedCommunicator(Protocol):
     """One-sided READ / WRITE into buffers that peers expose, plus ordered notifications.
 
-    ``expose`` registers a local tensor under ``name``; ``exchange_exposed`` (collective) makes
-    every member's exposures addressable; ``import_exposed`` does so for one descriptor received
-    out of band (``decode_exposed`` reads one that came as bytes). ``read_async`` copies ``local``'s bytes from byte ``remote_offset`` of a peer's
-    buffer; ``read_batch_async`` is one request over ``ByteRead`` triples. ``notify`` /
+    ``expose`` registers a local tensor under ``name``, read-only for peers unless it is a WRITE
+    target (``writable=True``); ``exchange_exposed`` (collective) makes every member's exposures
+    addressable; ``import_exposed`` does so for one descriptor received out of band
+    (``decode_exposed`` reads one that came as bytes). ``read_async`` copies ``local``'s bytes
+    from byte ``remote_offset`` of a peer's buffer; ``read_batch_async`` is one request over
+    ``ByteRead`` triples. ``notify`` /
     ``wait_notification`` (``TimeoutError`` after ``timeout``) carry small messages, in order per
     peer. Ranks are the communicator's group ranks.
     """
 
-    def expose(self, tensor: torch.Tensor, name: str) -> Any:
-        """Register ``tensor`` for peers under ``name``; returns its descriptor."""
+    def expose(self, tensor: torch.Tensor, name: str, *, writable: bool = False) -> Any:
+        """Register ``tensor`` for peers under ``name``; returns its descriptor. Peers may only
+        read it (same-node peers map it read-only where the OS allows) unless ``writable``."""
         ...
 
     def unexpose(self, name: str) -> None:

@@ -38,8 +38,9 @@ class Exposures:
         self._names: list[str] = []
 
     def expose(self, tensor: torch.Tensor, name: str) -> Any:
-        """Expose ``tensor`` as ``name``; returns its descriptor."""
-        desc = self.comm.expose(tensor, name)
+        """Expose ``tensor`` as ``name``, read-only for peers (consumers only READ what a
+        producer exposes, and nobody writes into a consumer's); returns its descriptor."""
+        desc = self.comm.expose(tensor, name, writable=False)
         self._names.append(name)
         return desc
 

@@ -8,10 +8,15 @@ from vllm_dist.implementations.communicators.nixl.agent import (
     NixlProtocolError,
     NixlTimeoutError,
     NixlTransferError,
+    ReadOnlyExposureError,
 )
 from vllm_dist.implementations.communicators.nixl.communicator import NixlRdtCommunicator
 from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
 from vllm_dist.implementations.communicators.nixl.mapping import CudaIpcHandle, SharedMemoryHandle
+from vllm_dist.implementations.communicators.nixl.network import (
+    listening_sockets,
+    nixl_listens_on,
+)
 from vllm_dist.implementations.communicators.nixl.onesided import strided_runs
 from vllm_dist.implementations.communicators.nixl.ray_rdt import (
     prepare_ray_rdt_actor,
@@ -37,8 +42,11 @@ __all__ = [
     "NixlTransferError",
     "PreparedReads",
     "RayRdtUnavailableError",
+    "ReadOnlyExposureError",
     "SharedMemoryHandle",
     "check_ray_rdt_version",
+    "listening_sockets",
+    "nixl_listens_on",
     "prepare_ray_rdt_actor",
     "ray_rdt_env",
     "ray_rdt_fetch_into",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_dist.implementations.communicators.nixl.network import scoped_env, ucx_env
 from vllm_dist.interfaces import WorkerCoordinator
 
 if TYPE_CHECKING:
@@ -38,6 +39,11 @@ class NixlTimeoutError(NixlTransferError, TimeoutError):
 
 class NixlProtocolError(NixlTransferError, ValueError):
     """A peer's notification is malformed, forged or of another wire version: it is refused."""
+
+
+class ReadOnlyExposureError(PermissionError):
+    """A WRITE into a peer's buffer that its owner exposed read-only, or a descriptor forged to
+    ask for write access to one: refused."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,17 +121,23 @@ def load_nixl() -> Any:
 _AGENT_LOCK = threading.Lock()
 
 
-def new_agent(api: Any, name: str, config: Any, delay_us: int) -> Any:
-    """``api.nixl_agent(name, config)`` with the progress thread's poll delay set.
+def new_agent(api: Any, name: str, opts: NixlOptions, delay_us: int) -> Any:
+    """``api.nixl_agent(name, config)`` of ``opts`` with the progress thread's poll delay set,
+    no NIXL listener thread, and UCX kept on loopback for a loopback launch
+    (``network.ucx_env``, set only while the agent is made).
 
     ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` itself and hard-codes
     ``pthrDelay = 0``; for the length of the call the binding's config class is swapped for a
     subclass that turns that 0 into ``delay_us`` (under a lock: one agent is built at a time).
     """
+    config = api.nixl_agent_config(
+        enable_prog_thread=True,  # a target makes progress without calling us (one-sided)
+        enable_listen_thread=False,  # no port of NIXL's own: agents meet via the coordinator
+        backends=list(opts.backends),
+        num_threads=opts.num_threads,
+    )
     bind = api.nixlBind
     base = bind.nixlAgentConfig
-    if delay_us == 0:
-        return api.nixl_agent(name, config)
     field_ = base.pthrDelay
 
     class _Config(base):  # type: ignore[misc, valid-type]
@@ -137,7 +149,9 @@ def new_agent(api: Any, name: str, config: Any, delay_us: int) -> Any:
         def pthrDelay(self, value: int) -> None:  # noqa: N802
             field_.__set__(self, delay_us if value == 0 else value)
 
-    with _AGENT_LOCK:
+    with _AGENT_LOCK, scoped_env(ucx_env()):
+        if delay_us == 0:
+            return api.nixl_agent(name, config)
         bind.nixlAgentConfig = _Config
         try:
             return api.nixl_agent(name, config)
@@ -198,6 +212,7 @@ class Registration:
     device_id: int
     mem_type: str
     pinned: int = 0  # exposures of this storage
+    writable: int = 0  # exposures of this storage that peers may write
     inflight: int = 0  # transfers using it now
     shared_with: set[int] = field(default_factory=set)  # ranks that loaded its metadata
 

@@ -45,6 +45,7 @@ from vllm_dist.implementations.communicators.nixl.agent import (
 )
 from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
 from vllm_dist.implementations.communicators.nixl.mapping import PeerMaps
+from vllm_dist.implementations.communicators.nixl.network import nixl_listens_on
 from vllm_dist.implementations.communicators.nixl.notifications import (
     Done,
     Ready,
@@ -107,14 +108,9 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._name = (
             f"vllm_dist-r{coordinator.get_global_ranks()[self._rank]}-{uuid.uuid4().hex[:12]}"
         )
-        config = api.nixl_agent_config(
-            enable_prog_thread=True,  # a target makes progress without calling us (one-sided)
-            backends=list(self._opts.backends),
-            num_threads=self._opts.num_threads,
-        )
         delay = self._opts.progress_delay_us
         self._progress_delay_us = (0 if cuda else 1) if delay is None else delay
-        self._slot = AgentSlot(new_agent(api, self._name, config, self._progress_delay_us))
+        self._slot = AgentSlot(new_agent(api, self._name, self._opts, self._progress_delay_us))
         self._cache = RegistrationCache(self._slot, self._opts.max_cached_registrations)
         self._peers = Peers(self._slot, self._rank)
         self._maps = PeerMaps(
@@ -223,8 +219,9 @@ class NixlRdtCommunicator(DeviceCommunicator):
         return tensor
 
     # -- exposure ----------------------------------------------------------------------------
-    def expose(self, tensor: torch.Tensor, name: str) -> ExposedBuffer:
-        """Register ``tensor`` under ``name`` so peers may ``read``/``write`` it; local only.
+    def expose(self, tensor: torch.Tensor, name: str, *, writable: bool = False) -> ExposedBuffer:
+        """Register ``tensor`` under ``name`` so peers may ``read`` it, and ``write`` it where
+        ``writable`` (a WRITE target; ``mapping`` says how read-only is enforced); local only.
 
         Peers learn of it through ``exchange_exposed()`` or by ``import_exposed`` of the returned
         descriptor. The tensor stays registered (and alive) until ``unexpose(name)`` or ``close()``.
@@ -247,7 +244,8 @@ class NixlRdtCommunicator(DeviceCommunicator):
             mem_type=reg.mem_type,
             epoch=self._cache.epoch,
             metadata=self._slot.get().get_agent_metadata(),
-            mapping=self._maps.handle(tensor),
+            mapping=self._maps.handle(tensor, reg, writable),
+            writable=writable,
         )
         self._cache.exposed[name] = (desc, reg)
         return desc
@@ -255,11 +253,12 @@ class NixlRdtCommunicator(DeviceCommunicator):
     def unexpose(self, name: str) -> None:
         """Stop exposing ``name``; its registration is released once nothing else uses it."""
         try:
-            _, reg = self._cache.exposed.pop(name)
+            desc, reg = self._cache.exposed.pop(name)
         except KeyError:
             known = sorted(self._cache.exposed)
             raise ValueError(f"nothing is exposed as {name!r}; exposed: {known}") from None
         reg.pinned -= 1
+        self._maps.release(reg, desc.writable)
         self._planner.clear()  # cached copy views may hold the released memory
         self._cache.evict()
 
@@ -495,7 +494,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
         agent = self._slot.take()
         if agent is None:
             return
-        self._maps.close()  # no copy may still use a peer's mapping
+        self._maps.close([reg for _, reg in self._cache.exposed.values()])
         self._planner.clear()
         self._tp.close()
         self._cache.release_all(agent)
@@ -523,6 +522,7 @@ class NixlRdtCommunicator(DeviceCommunicator):
             "ucx_env_set_by_vllm_dist": self._set_ucx_env,
             "maps_peer_memory": self._maps.enabled and self._maps.backend,
             "progress_delay_us": self._progress_delay_us,
+            "listens_on": nixl_listens_on(),  # what new_agent bound UCX to
         }
         with contextlib.suppress(Exception):
             from importlib import metadata

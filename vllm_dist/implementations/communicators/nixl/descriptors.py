@@ -1,7 +1,8 @@
 """``ExposedBuffer``: what a peer needs to address a buffer another worker exposed, and its
 explicit byte codec for channels that carry bytes (a notification, a socket).
 
-The codec is versioned JSON (bytes fields in base64), checked field by field when decoded; a
+The codec is versioned JSON (bytes fields in base64), checked field by field when decoded;
+``writable`` (the access the owner grants) travels with it, and a peer's mapping honours it. A
 CUDA IPC mapping travels as the fields of torch's CUDA IPC reduction, rebuilt here with torch's
 own ``rebuild_cuda_tensor``. Rejected alternative: pickling the descriptor, which lets whoever
 wrote the bytes choose what code runs when they are read.
@@ -19,13 +20,14 @@ import torch
 
 from vllm_dist.implementations.communicators.nixl.mapping import CudaIpcHandle, SharedMemoryHandle
 
-DESCRIPTOR_VERSION = 1
+DESCRIPTOR_VERSION = 2
 _MEM_TYPES = ("DRAM", "VRAM")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExposedBuffer:
-    """A registered buffer that peers may read and write: picklable, or ``to_bytes``.
+    """A registered buffer that peers may read (and write, where ``writable``): picklable, or
+    ``to_bytes``.
 
     ``metadata`` is the owner's full agent metadata at ``epoch`` (its registration generation);
     importing it lets the importer address ``[addr, addr + nbytes)`` on the owner.
@@ -41,6 +43,7 @@ class ExposedBuffer:
     epoch: int
     metadata: bytes = field(repr=False)
     mapping: Any = field(default=None, repr=False)  # CudaIpcHandle / SharedMemoryHandle: same node
+    writable: bool = False  # peers may WRITE into it (else READ only; peers map it read-only)
 
     def to_bytes(self) -> bytes:
         """The descriptor as versioned JSON bytes (``from_bytes`` reads them back)."""
@@ -49,6 +52,7 @@ class ExposedBuffer:
             **{k: getattr(self, k) for k in _INTS + _STRS},
             "metadata": _b64(self.metadata),
             "mapping": _encode_mapping(self.mapping),
+            "writable": self.writable,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -73,6 +77,7 @@ class ExposedBuffer:
             **fields,
             metadata=_unb64(_field(doc, "metadata", str)),
             mapping=_decode_mapping(doc.get("mapping")),
+            writable=_field(doc, "writable", bool),
         )
 
 

@@ -15,7 +15,11 @@ import numpy as np
 import torch
 
 from vllm_dist.implementations.communicators.common import check_tensor
-from vllm_dist.implementations.communicators.nixl.agent import Peers, RegistrationCache
+from vllm_dist.implementations.communicators.nixl.agent import (
+    Peers,
+    ReadOnlyExposureError,
+    RegistrationCache,
+)
 from vllm_dist.implementations.communicators.nixl.descriptors import ExposedBuffer
 from vllm_dist.implementations.communicators.nixl.mapping import PeerMaps
 from vllm_dist.implementations.communicators.nixl.transfers import Piece
@@ -146,6 +150,11 @@ class Planner:
         copies: list[Copy] | None = [] if maps else None
         for i, (remote_name, off, view, n) in enumerate(requests):
             remote = self._peers.buffer(peer, remote_name)
+            if op == "WRITE" and not remote.writable:
+                raise ReadOnlyExposureError(
+                    f"rank {peer} exposed {remote_name!r} read-only: it cannot be written; the "
+                    "owner must expose it with writable=True to make it a WRITE target"
+                )
             check_tensor(view, self._device, f"local[{i}]")
             key = (peer, op, remote_name, remote.addr, off, n, view.data_ptr())
             hit = self._prepared.get(key)
