@@ -99,7 +99,7 @@ class NixlP2PTask(GlobalCoordinatorDistributedTask):
         top = max(sizes)
         remote = torch.zeros(top, dtype=torch.uint8, device=self.device)
         local = torch.ones(top, dtype=torch.uint8, device=self.device)
-        comm.expose(remote, "buf")
+        comm.expose(remote, "buf", writable=True)  # the peers WRITE into it
         comm.expose(local, "local")
         comm.exchange_exposed()
         rows: list[dict[str, Any]] = []
