@@ -35,6 +35,7 @@ MAGIC = b"VDSTORE1"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 10.0
+_LOGGED_REFUSALS = 16  # then every 1000th
 MAX_FRAME_BYTES = 256 << 20  # one command or reply; rendezvous values are far smaller
 _CLIENT_LABEL = b"vllm_dist store client v1"
 _SERVER_LABEL = b"vllm_dist store server v1"
@@ -225,14 +226,17 @@ class AuthStoreServer:
         if not good:
             with self._lock:
                 self.refusals.append(peer)
-            logger.warning(
-                "vllm_dist: refused a connection to the rendezvous store at %s:%s from %s: it "
-                "did not prove it holds the launch's secret (another launch's JoinSpec token, or "
-                "a process outside the launch)",
-                self.host,
-                self.port,
-                peer,
-            )
+                count = len(self.refusals)
+            if count <= _LOGGED_REFUSALS or count % 1000 == 0:  # a flood must not flood the log
+                logger.warning(
+                    "vllm_dist: refused connection #%d to the rendezvous store at %s:%s from "
+                    "%s: it did not prove it holds the launch's secret (another launch's "
+                    "JoinSpec token, or a process outside the launch)",
+                    count,
+                    self.host,
+                    self.port,
+                    peer,
+                )
             with contextlib.suppress(OSError):
                 conn.sendall(b"\x00")
             return False

@@ -123,12 +123,14 @@ class SignedObjects:
 
     def recv(self, src: int) -> Any:
         """The next object group rank ``src`` sent to this worker."""
-        count = self._received[src] = self._received.get(src, 0) + 1
+        count = self._received.get(src, 0) + 1
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, group_src=src, group=self._group)
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.recv(buf, group_src=src, group=self._group)
-        return self._open(_as_bytes(buf), "p2p", src, self._ranks[self._rank], count)
+        obj = self._open(_as_bytes(buf), "p2p", src, self._ranks[self._rank], count)
+        self._received[src] = count  # a refused message takes no place in the sequence
+        return obj
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
