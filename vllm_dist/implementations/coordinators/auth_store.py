@@ -337,6 +337,7 @@ class AuthStoreClient(dist.Store):
         family, self.host = address_family(host)
         self.port = port
         self._server = server
+        self._secret = secret  # for clone()
         self._lock = threading.Lock()
         self._sock = self._connect(family, secret, timeout.total_seconds())
 
@@ -484,3 +485,9 @@ class AuthStoreClient(dist.Store):
 
     def has_extended_api(self) -> bool:  # type: ignore[override]
         return True
+
+    def clone(self) -> AuthStoreClient:  # type: ignore[override]
+        """A second connection to the same store (torch clones stores for background threads)."""
+        return AuthStoreClient(
+            self.host, self.port, self._secret, timeout=self._timeout, server=self._server
+        )
