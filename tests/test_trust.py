@@ -9,6 +9,7 @@ JoinSpec without a secret. Every wait is bounded; nothing is judged by timing.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -153,6 +154,30 @@ def test_store_commands_and_refusals(caplog: pytest.LogCaptureFixture) -> None:
         assert b.get("k") == b"\x00\xff"  # the members' connections are still served
         a.close()
         b.close()
+    finally:
+        server.close()
+
+
+def test_store_refuses_commands_sent_without_the_challenge() -> None:
+    """A stranger that speaks the store's framing but skips the challenge writes nothing."""
+    from vllm_dist.implementations.coordinators.auth_store import _HEAD, SET, pack_fields
+
+    server = AuthStoreServer("127.0.0.1", 0, SECRET)
+    try:
+        member = _store(server.port)
+        member.set("weights/addr", b"real")
+        body = pack_fields([b"weights/addr", b"evil"])
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+            raw.sendall((_HEAD.pack(SET, len(body)) + body) * 4)
+            raw.settimeout(10)
+            reply = b""
+            with contextlib.suppress(ConnectionResetError):  # closed with our bytes unread
+                while chunk := raw.recv(4096):
+                    reply += chunk
+        assert reply.startswith(MAGIC)  # the challenge, then the refusal and the close
+        assert member.get("weights/addr") == b"real" and member.num_keys() == 1
+        assert len(server.refusals) == 1
+        member.close()
     finally:
         server.close()
 
