@@ -43,6 +43,8 @@ from vllm_dist.implementations.coordinators.auth_store import (
     AuthStoreServer,
 )
 from vllm_dist.implementations.coordinators.binding import (
+    GLOO_IFNAME_ENV,
+    gloo_bind_host,
     listening_sockets,
     listening_summary,
 )
@@ -375,10 +377,17 @@ def test_bare_torch_process_cannot_enter_a_launch_and_nothing_listens_outside_lo
         assert {address for _, address, _ in r["listeners"]} <= LOOPBACK, r["listeners"]
 
 
-def test_listening_summary_names_loopback_for_a_loopback_launch() -> None:
+def test_listening_summary_names_loopback_for_a_loopback_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(GLOO_IFNAME_ENV, raising=False)
     rows = listening_summary("127.0.0.1", authenticated=True)
     assert [row[1] for row in rows] == ["127.0.0.1", "127.0.0.1"]
     assert "HMAC" in rows[0][2]
+    assert gloo_bind_host("127.0.0.1") == "127.0.0.1"
+    monkeypatch.setenv(GLOO_IFNAME_ENV, "lo")  # the user's choice wins
+    assert gloo_bind_host("127.0.0.1") is None
+    assert "unauthenticated" in listening_summary("127.0.0.1", authenticated=False)[0][2]
 
 
 # -- a fleet of two launches -------------------------------------------------------------------------
