@@ -114,10 +114,6 @@ class _Table:
     data: dict[bytes, bytes] = field(default_factory=dict)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def wait_for(self, keys: Sequence[bytes], timeout_s: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: all(k in self.data for k in keys), timeout_s)
-
 
 class AuthStoreServer:
     """The store, served from a daemon thread on exactly ``host:port``.
@@ -246,7 +242,7 @@ class AuthStoreServer:
     def _reply(self, conn: socket.socket, code: int, f: list[bytes]) -> None:
         try:
             status, out = self._execute(code, f)
-        except (ValueError, IndexError, struct.error) as exc:
+        except (ValueError, IndexError, KeyError, struct.error) as exc:
             status, out = FAILED, [f"bad request (opcode {code}): {exc}".encode()]
         _send_frame(conn, status, out)
 
@@ -255,10 +251,11 @@ class AuthStoreServer:
         if code in (GET, WAIT, MULTI_GET):
             (timeout_ms,) = _I64.unpack(f[0])
             keys = f[1:]
-            if not table.wait_for(keys, max(timeout_ms, 0) / 1000.0):
-                missing = [k for k in keys if k not in data]
-                return TIMED_OUT, missing
-            with table.cond:
+            with table.cond:  # one hold: a key deleted meanwhile cannot slip in between
+                if not table.cond.wait_for(
+                    lambda: all(k in data for k in keys), max(timeout_ms, 0) / 1000.0
+                ):
+                    return TIMED_OUT, [k for k in keys if k not in data]
                 return OK, ([data[k] for k in keys] if code != WAIT else [])
         with table.cond:
             if code == SET:
