@@ -271,7 +271,7 @@ class ForgeryTask(GlobalCoordinatorDistributedTask):
             dist.send_object_list([evil], group_dst=0, group=group)  # unsigned
             SignedObjects(object_key(b"\x07" * 32), group, [0, 1], 1).send(evil, 0)  # forged
             coord.send_object(payload, 0)
-            replay = coord._signed._seal(evil, "p2p", 0, 1)  # a valid tag of message #1
+            replay = coord._signed._seal(evil, "p2p", 0, 1)  # tagged as message #1: a replay
             dist.send(torch.tensor([len(replay)], dtype=torch.int64), group_dst=0, group=group)
             dist.send(
                 torch.frombuffer(bytearray(replay), dtype=torch.uint8), group_dst=0, group=group
