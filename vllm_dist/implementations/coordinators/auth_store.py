@@ -252,9 +252,8 @@ class AuthStoreServer:
             (timeout_ms,) = _I64.unpack(f[0])
             keys = f[1:]
             with table.cond:  # one hold: a key deleted meanwhile cannot slip in between
-                if not table.cond.wait_for(
-                    lambda: all(k in data for k in keys), max(timeout_ms, 0) / 1000.0
-                ):
+                ready = lambda: self._closed or all(k in data for k in keys)  # noqa: E731
+                if not table.cond.wait_for(ready, max(timeout_ms, 0) / 1000.0) or self._closed:
                     return TIMED_OUT, [k for k in keys if k not in data]
                 return OK, ([data[k] for k in keys] if code != WAIT else [])
         with table.cond:
