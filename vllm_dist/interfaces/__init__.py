@@ -11,6 +11,7 @@ from vllm_dist.interfaces.communicator import (
     UnsupportedOperationError,
 )
 from vllm_dist.interfaces.coordinator import (
+    AuthenticationError,
     CoordinatorTimeoutError,
     RendezvousPortTakenError,
     WorkerCoordinator,
@@ -37,6 +38,7 @@ from vllm_dist.interfaces.launcher import (
 
 __all__ = [
     "AsyncSendRecvCommunicator",
+    "AuthenticationError",
     "ExposedDescriptor",
     "OneSidedCommunicator",
     "PreparedReadCommunicator",

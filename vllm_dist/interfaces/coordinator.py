@@ -16,6 +16,13 @@ class CoordinatorTimeoutError(TimeoutError):
     """A coordinator operation did not complete within its timeout (a peer is slow or dead)."""
 
 
+class AuthenticationError(RuntimeError):
+    """A peer could not prove it holds the launch's (or fleet's) secret, or a message failed its
+    check. Nothing the peer sent was believed; the message names the peer and the fix (the same
+    ``JoinSpec(token=...)`` on both launches, or a port that belongs to another launch).
+    """
+
+
 class RendezvousPortTakenError(RuntimeError):
     """Rank 0 could not listen on the rendezvous port ``port``: another process holds it.
 

@@ -6,6 +6,12 @@ take part, which lets every group of a ``GroupCoordinatorDistributedTask`` build
 rest of the world. The default group is process-global in torch, which is why this coordinator
 never reads a rank from it: every rank here comes from the ``WorkerInfo`` it was given.
 
+With a launch secret (``WorkerInfo.secret``) the rendezvous is the authenticated store of
+``auth_store`` and the object collectives are tagged (``signed_objects``): a process without the
+secret takes no rank and no Python object it sends is unpickled. Gloo listens on the route to
+``master_addr`` only (``binding``). Without a secret (torchrun without ``VLLM_DIST_SECRET``) the
+rendezvous is torch's own TCPStore and a warning says so.
+
 Each operation is recorded, on entry and on exit, in the file a launcher names through
 ``PROGRESS_FILE_ENV``: one rewrite of a short line per operation, so that a launch that times
 out can name the rank that never arrived and what it did last. Rejected alternative: keys in the
@@ -16,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import inspect
+import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -25,13 +33,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vllm_dist.implementations.coordinators.auth_store import AuthStoreClient, AuthStoreServer
+from vllm_dist.implementations.coordinators.binding import bound_gloo, gloo_bind_host
+from vllm_dist.implementations.coordinators.signed_objects import SignedObjects, object_key
 from vllm_dist.interfaces import (
+    AuthenticationError,
     CoordinatorTimeoutError,
     RendezvousPortTakenError,
     WorkerCoordinator,
     WorkerInfo,
 )
-from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV
+from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, SECRET_ENV
+
+logger = logging.getLogger("vllm_dist")
 
 DEFAULT_TIMEOUT_S = 300.0
 _RECORD_BYTES = 200  # one record, padded, rewritten in place
@@ -92,6 +106,11 @@ class TorchDistributedCoordinator(WorkerCoordinator):
         self._closed = False
         self._progress = ProgressLog(os.environ.get(PROGRESS_FILE_ENV))
         self._owns_progress = True  # a sub-group writes into its world coordinator's record
+        self._bind_host = gloo_bind_host(worker_info.master_addr)
+        self._key = object_key(worker_info.secret) if worker_info.secret else b""
+        self._signed: SignedObjects | None = None
+        self._store: AuthStoreClient | None = None
+        self._server: AuthStoreServer | None = None
 
     # -- set-up ------------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -110,7 +129,11 @@ class TorchDistributedCoordinator(WorkerCoordinator):
             try:
                 with self._progress.op("rendezvous", self._global_ranks):
                     self._init_default_group(info, timeout)
-            except (RuntimeError, dist.DistStoreError) as exc:
+            except AuthenticationError:
+                self._close_store()
+                raise
+            except (RuntimeError, dist.DistStoreError, OSError) as exc:
+                self._close_store()
                 if _address_in_use(exc):
                     raise RendezvousPortTakenError(
                         f"rank {info.rank}: port {info.master_port} on {info.master_addr} is "
@@ -123,24 +146,60 @@ class TorchDistributedCoordinator(WorkerCoordinator):
                 ) from exc
             self._owns_default_group = True
         self._group = dist.group.WORLD
+        self._sign(self._require_group())
 
     def _init_default_group(self, info: WorkerInfo, timeout: datetime.timedelta) -> None:
-        if info.launch_id:
-            dist.init_process_group(
-                backend="gloo",
-                store=_launch_store(info, timeout),
-                rank=info.rank,
-                world_size=info.world_size,
-                timeout=timeout,
-            )
+        options: dict[str, Any] = {}
+        if info.secret:
+            options["store"] = self._authenticated_store(info, timeout)
+        elif info.launch_id:
+            options["store"] = _launch_store(info, timeout)
         else:
+            options["init_method"] = f"tcp://{_host(info.master_addr)}:{info.master_port}"
+        if not info.secret:
+            logger.warning(
+                "vllm_dist: rank %d joins an unauthenticated control plane at %s:%s (no launch "
+                "secret: set %s for workers that torchrun, srun or mpirun starts)",
+                info.rank,
+                info.master_addr,
+                info.master_port,
+                SECRET_ENV,
+            )
+        with bound_gloo(self._bind_host):
             dist.init_process_group(
                 backend="gloo",
-                init_method=f"tcp://{_host(info.master_addr)}:{info.master_port}",
                 rank=info.rank,
                 world_size=info.world_size,
                 timeout=timeout,
+                **options,
             )
+
+    def _authenticated_store(self, info: WorkerInfo, timeout: datetime.timedelta) -> dist.Store:
+        """Rank 0 serves the store on exactly ``master_addr``; every rank connects to it and
+        proves it holds the secret (and checks that the server does) before any command."""
+        if info.rank == 0:
+            self._server = AuthStoreServer(info.master_addr, info.master_port, info.secret)
+        self._store = AuthStoreClient(
+            info.master_addr, info.master_port, info.secret, timeout=timeout, server=self._server
+        )
+        if not info.launch_id:
+            return self._store
+        return dist.PrefixStore(f"vllm_dist/{info.launch_id}", self._store)
+
+    def _sign(self, group: dist.ProcessGroup) -> None:
+        if self._key:
+            self._signed = SignedObjects(self._key, group, self._global_ranks, self.get_rank())
+
+    def _close_store(self) -> None:
+        for closable in (self._store, self._server):
+            if closable is not None:
+                closable.close()
+        self._store = self._server = None
+
+    @property
+    def rendezvous_refusals(self) -> list[str]:
+        """Peer addresses of the connections this rank's store refused (rank 0; else empty)."""
+        return list(self._server.refusals) if self._server is not None else []
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -150,6 +209,12 @@ class TorchDistributedCoordinator(WorkerCoordinator):
     @property
     def timeout(self) -> float:
         return self._timeout
+
+    @property
+    def bind_host(self) -> str | None:
+        """The address this worker's gloo groups listen on (None: gloo's own choice, for a
+        user who set ``GLOO_SOCKET_IFNAME``); communicators pass it to ``new_torch_group``."""
+        return self._bind_host
 
     # -- rank facts --------------------------------------------------------------------------
     def get_rank(self) -> int:
@@ -183,27 +248,40 @@ class TorchDistributedCoordinator(WorkerCoordinator):
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         self._check_rank(src, "src")
-        box = [obj if self.get_rank() == src else None]
+        group = self._require_group()
         with self._progress.op(f"broadcast_object(src={src})", self._global_ranks):
-            dist.broadcast_object_list(box, group_src=src, group=self._require_group())
+            if self._signed is not None:
+                return self._signed.broadcast(obj, src)
+            box = [obj if self.get_rank() == src else None]
+            dist.broadcast_object_list(box, group_src=src, group=group)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.get_world_size()
+        group = self._require_group()
         with self._progress.op("all_gather_object", self._global_ranks):
-            dist.all_gather_object(out, obj, group=self._require_group())
+            if self._signed is not None:
+                return self._signed.all_gather(obj)
+            out: list[Any] = [None] * self.get_world_size()
+            dist.all_gather_object(out, obj, group=group)
         return out
 
     def send_object(self, obj: Any, dst: int) -> None:
         self._check_rank(dst, "dst", peer=True)
+        group = self._require_group()
         with self._progress.op(f"send_object(dst={dst})", self._global_ranks):
-            dist.send_object_list([obj], group_dst=dst, group=self._require_group())
+            if self._signed is not None:
+                self._signed.send(obj, dst)
+            else:
+                dist.send_object_list([obj], group_dst=dst, group=group)
 
     def recv_object(self, src: int) -> Any:
         self._check_rank(src, "src", peer=True)
-        box: list[Any] = [None]
+        group = self._require_group()
         with self._progress.op(f"recv_object(src={src})", self._global_ranks):
-            dist.recv_object_list(box, group_src=src, group=self._require_group())
+            if self._signed is not None:
+                return self._signed.recv(src)
+            box: list[Any] = [None]
+            dist.recv_object_list(box, group_src=src, group=group)
         return box[0]
 
     # -- groups ------------------------------------------------------------------------------
@@ -217,7 +295,10 @@ class TorchDistributedCoordinator(WorkerCoordinator):
         child._progress.close()
         child._progress, child._owns_progress = self._progress, False  # one record per worker
         with self._progress.op("new_group", global_ranks):
-            child._group = new_torch_group(global_ranks, "gloo", self._timeout)
+            child._group = new_torch_group(
+                global_ranks, "gloo", self._timeout, bind_host=self._bind_host
+            )
+        child._sign(child._group)
         self._children.append(child)
         return child
 
@@ -229,6 +310,7 @@ class TorchDistributedCoordinator(WorkerCoordinator):
             child.close()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
+        self._close_store()
         if self._owns_progress:
             self._progress.close()
         self._group = None
@@ -261,10 +343,17 @@ def check_group_ranks(ranks: list[int], world_size: int, my_rank: int) -> None:
 
 
 def new_torch_group(
-    global_ranks: list[int], backend: str, timeout: float, device_id: Any = None
+    global_ranks: list[int],
+    backend: str,
+    timeout: float,
+    device_id: Any = None,
+    *,
+    bind_host: str | None = None,
 ) -> dist.ProcessGroup:
     """A torch.distributed group whose rank i is ``global_ranks[i]``, built by its members only.
 
+    A gloo group listens on ``bind_host`` (``TorchDistributedCoordinator.bind_host``); without
+    it, on the route to the default group's rendezvous address when that is known.
     torch builds without ``sort_ranks`` (2.11 and older) order a group by global rank; there an
     unsorted ``global_ranks`` is refused rather than silently renumbered.
     """
@@ -279,13 +368,16 @@ def new_torch_group(
         )
     if device_id is not None and "device_id" in params:
         options["device_id"] = device_id
-    group = dist.new_group(
-        global_ranks,
-        backend=backend,
-        timeout=datetime.timedelta(seconds=timeout),
-        use_local_synchronization=True,
-        **options,
-    )
+    if backend == "gloo" and bind_host is None:
+        bind_host = _default_bind_host()
+    with bound_gloo(bind_host if backend == "gloo" else None):
+        group = dist.new_group(
+            global_ranks,
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout),
+            use_local_synchronization=True,
+            **options,
+        )
     assert group is not None
     return group
 
@@ -306,8 +398,26 @@ def _launch_store(info: WorkerInfo, timeout: datetime.timedelta) -> dist.Store:
     return dist.PrefixStore(f"vllm_dist/{info.launch_id}", store)
 
 
+def _default_bind_host() -> str | None:
+    """Where the default group's gloo listens: the route to its rendezvous store's address,
+    read from the store the default group was made with (ours or torch's TCPStore)."""
+    with contextlib.suppress(Exception):
+        store: Any = dist.distributed_c10d._get_default_store()
+        for _ in range(8):  # unwrap PrefixStores
+            host = getattr(store, "host", None)
+            if isinstance(host, str) and host:
+                return gloo_bind_host(host)
+            store = getattr(store, "underlying_store", None)
+            if store is None:
+                break
+    return None
+
+
 def _address_in_use(exc: BaseException) -> bool:
-    """torch's TCPStore could not listen: libuv says EADDRINUSE, the older backend errno 98."""
+    """The rendezvous could not listen: EADDRINUSE from our store's bind, or torch's TCPStore
+    (libuv says EADDRINUSE, the older backend errno 98)."""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return True
     text = str(exc)
     return "EADDRINUSE" in text or "Address already in use" in text
 

@@ -13,9 +13,12 @@ coordinator and communicator through the registry only.
 
 from __future__ import annotations
 
+import os
+import secrets
+import time
 from abc import abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -28,17 +31,28 @@ from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
 from vllm_dist.tasks.weight_transfer.producer import WeightProducer
 from vllm_dist.tasks.weight_transfer.source import WeightSource
 
+FLEET_TOKEN_ENV = "VLLM_DIST_FLEET_TOKEN"
+TOKEN_FILE_WAIT_S = 120.0  # how long a consumer waits for the producer side to write token_file
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JoinSpec:
-    """Where a launch meets the other half of its fleet.
+    """Where a launch meets the other half of its fleet, and the secret both halves hold.
 
     Args:
-        host: rendezvous address (the producers' launch listens there).
+        host: rendezvous address (the producers' launch listens there, on that address only).
         port: rendezvous port.
         role: ``"producer"`` for the trainer launch, ``"consumer"`` for the inference launch.
         num_producers: producers in the whole fleet.
         num_consumers: consumers in the whole fleet.
+        token: the fleet's secret (``JoinSpec.new_token()``: at least 32 hex digits, or 16
+            bytes); never printed.
+        token_file: where the secret is kept when neither ``token`` nor ``VLLM_DIST_FLEET_TOKEN``
+            gives it: the producer side creates it (mode 0600) with a fresh token unless it
+            exists, the consumer side waits for it and reads it.
+
+    The secret comes from ``token``, else ``VLLM_DIST_FLEET_TOKEN`` (hex, read where the spec is
+    made), else ``token_file``. A peer that does not hold it takes no place in the fleet.
     """
 
     host: str
@@ -46,15 +60,50 @@ class JoinSpec:
     role: str
     num_producers: int
     num_consumers: int
+    token: str | bytes | None = field(default=None, repr=False, compare=False)
+    token_file: str | None = None
+    _env_token: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.role not in ("producer", "consumer"):
             raise ValueError(f"role must be 'producer' or 'consumer', got {self.role!r}")
         if self.num_producers < 1 or self.num_consumers < 1:
             raise ValueError("a fleet needs at least one producer and one consumer")
+        if self.token is not None:
+            _token_bytes(self.token, "JoinSpec(token=...)")
+        elif os.environ.get(FLEET_TOKEN_ENV):
+            env = _token_bytes(os.environ[FLEET_TOKEN_ENV], FLEET_TOKEN_ENV)
+            object.__setattr__(self, "_env_token", env)
+
+    @staticmethod
+    def new_token() -> str:
+        """A fresh fleet token (64 hex digits) for ``JoinSpec(token=...)``."""
+        return secrets.token_hex(32)
+
+    def check_secret_source(self) -> None:
+        """Refuse, before any worker starts, a spec that names no way to its secret."""
+        if self.token is None and not self._env_token and not self.token_file:
+            raise ValueError(
+                "a JoinSpec fleet needs a shared secret: pass JoinSpec(token=JoinSpec.new_token())"
+                f" to both launches, or set {FLEET_TOKEN_ENV} (hex) for both, or name a "
+                "JoinSpec(token_file=...) that the producer side creates and the consumer side "
+                "reads"
+            )
+
+    def secret(self) -> bytes:
+        """The fleet's secret, from ``token``, ``VLLM_DIST_FLEET_TOKEN`` or ``token_file``."""
+        if self.token is not None:
+            return _token_bytes(self.token, "JoinSpec(token=...)")
+        if self._env_token:
+            return self._env_token
+        self.check_secret_source()
+        assert self.token_file is not None
+        if self.role == "producer":
+            return _create_or_read_token_file(self.token_file)
+        return _wait_for_token_file(self.token_file, TOKEN_FILE_WAIT_S)
 
     def fleet_info(self, launch_info: WorkerInfo) -> WorkerInfo:
-        """This worker's place in the fleet that spans both launches."""
+        """This worker's place in the fleet that spans both launches (with the fleet's secret)."""
         size = self.num_producers if self.role == "producer" else self.num_consumers
         if launch_info.world_size != size:
             raise ValueError(
@@ -70,7 +119,67 @@ class JoinSpec:
             master_addr=self.host,
             master_port=self.port,
             node_rank=launch_info.node_rank,
+            secret=self.secret(),
         )
+
+
+def _token_bytes(token: str | bytes, where: str) -> bytes:
+    """A token as bytes: hex text of at least 32 digits, or at least 16 raw bytes. Errors
+    describe its length only, never its value."""
+    if isinstance(token, bytes | bytearray):
+        if len(token) < 16:
+            raise ValueError(f"{where} holds {len(token)} bytes; give at least 16")
+        return bytes(token)
+    text = token.strip()
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raw = b""
+    if len(raw) < 16:
+        raise ValueError(
+            f"{where} must be at least 32 hex digits (JoinSpec.new_token() makes one); got "
+            f"{len(text)} characters that are not"
+        )
+    return raw
+
+
+def _create_or_read_token_file(path: str) -> bytes:
+    """The producer side: write a fresh token to ``path`` (mode 0600) unless it exists. The
+    file appears whole (linked into place), so a reader never sees half a token."""
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, (JoinSpec.new_token() + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # fails when another producer rank (or launch) made it first
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    return _read_token_file(path)
+
+
+def _wait_for_token_file(path: str, timeout_s: float) -> bytes:
+    """The consumer side: wait up to ``timeout_s`` for the producer side's token file."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"JoinSpec(token_file={path!r}) did not appear within {timeout_s} s: start the "
+                "producer launch (it creates the file), or give both launches the same "
+                "JoinSpec(token=...)"
+            )
+        time.sleep(0.05)
+    return _read_token_file(path)
+
+
+def _read_token_file(path: str) -> bytes:
+    with open(path) as f:
+        return _token_bytes(f.read(), f"JoinSpec(token_file={path!r})")
 
 
 @dataclass(kw_only=True)
@@ -96,10 +205,14 @@ class WeightTransferTask(GlobalCoordinatorDistributedTask):
 
     @classmethod
     def check_launch_kwargs(cls, world_size: int, **kwargs: Any) -> None:
-        """Also refuse fleet sizes that are not positive ints, in the parent (a ``join`` spec
-        brings its own sizes)."""
+        """Also refuse fleet sizes that are not positive ints, and a ``join`` spec without a way
+        to its secret, in the parent (a ``join`` spec brings its own sizes)."""
         super().check_launch_kwargs(world_size, **kwargs)
-        if kwargs.get("join") is not None:
+        join = kwargs.get("join")
+        if join is not None:
+            if not isinstance(join, JoinSpec):
+                raise TypeError(f"join must be a JoinSpec, got {type(join).__name__}")
+            join.check_secret_source()
             return
         for name in ("num_producers", "num_consumers"):
             value = kwargs.get(name)
