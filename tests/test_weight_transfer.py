@@ -766,10 +766,16 @@ def _launch_halves_sized(
     port: int, producer_task: type, consumer_task: type, timeout: float, consumers: int, **kw: Any
 ) -> tuple[Any, Any]:
     out: dict[str, Any] = {}
+    token = JoinSpec.new_token()  # the fleet's secret, given to both launches
 
     def run(role: str, n: int, task: type) -> None:
         join = JoinSpec(
-            host="127.0.0.1", port=port, role=role, num_producers=1, num_consumers=consumers
+            host="127.0.0.1",
+            port=port,
+            role=role,
+            num_producers=1,
+            num_consumers=consumers,
+            token=token,
         )
         # each launch puts its rank 0 on cuda:0: always shared, however many GPUs
         env = shared_gpu_nccl_env(role) if kw.get("device") == "cuda" else None

@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm_dist.implementations.launchers.mp import MPLauncher
 from vllm_dist.interfaces import (
+    AuthenticationError,
     BackendUnavailableError,
     CommOp,
     CoordinatorTimeoutError,
@@ -40,6 +41,7 @@ from vllm_dist.tasks.base import GlobalCoordinatorDistributedTask, GroupCoordina
 __version__ = "0.1.0"  # the one place the version lives; setup.cfg reads it
 
 __all__ = [
+    "AuthenticationError",
     "BackendUnavailableError",
     "CommOp",
     "CommunicatorType",

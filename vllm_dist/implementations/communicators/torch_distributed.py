@@ -117,6 +117,7 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             self._backend,
             coordinator.timeout,
             device_id=self._device if self._backend == "nccl" else None,
+            bind_host=coordinator.bind_host,  # gloo listens where its coordinator does
         )
 
     @property
