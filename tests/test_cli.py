@@ -264,6 +264,16 @@ def test_info_json_is_pure_json_and_reports_the_environment(tmp_path: Path) -> N
     assert _backend(facts, "launcher", "mp") == {"any": "usable"}
 
 
+def test_info_says_what_a_loopback_launch_listens_on() -> None:
+    listens = {r["component"]: r for r in cli.collect_info()["listens"]["rows"]}
+    assert listens["rendezvous store (rank 0)"]["address"] == "127.0.0.1"
+    assert "HMAC" in listens["rendezvous store (rank 0)"]["note"]
+    assert listens["gloo control plane (every rank)"]["address"] == "127.0.0.1"
+    assert "loopback only" in listens["NIXL agent (nixl_rdt)"]["address"]
+    store = cli.collect_info("::1")["listens"]["rows"][0]
+    assert store["address"] == "::1"
+
+
 def test_info_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info"]) == 0
     out = capsys.readouterr().out

@@ -376,13 +376,14 @@ _LAUNCHER_MODULES = {"ray": "ray"}
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    facts = collect_info()
+    facts = collect_info(args.master_addr)
     print(json.dumps(facts, indent=2) if args.json else render_info(facts))
     return 0
 
 
-def collect_info() -> dict[str, Any]:
-    """Versions, devices, environment and backends, as plain data (the ``--json`` report)."""
+def collect_info(master_addr: str = "127.0.0.1") -> dict[str, Any]:
+    """Versions, devices, environment, backends and what a launch at ``master_addr`` listens
+    on, as plain data (the ``--json`` report)."""
     import platform
 
     import torch
@@ -411,7 +412,34 @@ def collect_info() -> dict[str, Any]:
         "cuda": "usable" if cuda is None else f"no ({cuda})",
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
         "backends": _backends(),
+        "listens": _listens(master_addr),
     }
+
+
+def _listens(master_addr: str) -> dict[str, Any]:
+    """Every socket a launch with its rendezvous at ``master_addr`` opens, and who may use it."""
+    from vllm_dist.implementations.communicators.nixl.network import nixl_listens_on
+    from vllm_dist.implementations.coordinators.binding import listening_summary
+
+    rows = [
+        {"component": c, "address": a, "note": n}
+        for c, a, n in listening_summary(master_addr, authenticated=True)
+    ]
+    rows.append(
+        {
+            "component": "NIXL agent (nixl_rdt)",
+            "address": nixl_listens_on({**os.environ, "MASTER_ADDR": master_addr}),
+            "note": "one-sided reads of exposed buffers; same-host peers map them read-only",
+        }
+    )
+    rows.append(
+        {
+            "component": "Ray (RayLauncher)",
+            "address": "a private local cluster unless address= is given",
+            "note": "Ray's own ports and authentication",
+        }
+    )
+    return {"master_addr": master_addr, "rows": rows}
 
 
 def render_info(facts: dict[str, Any]) -> str:
@@ -429,6 +457,13 @@ def render_info(facts: dict[str, Any]) -> str:
     for b in facts["backends"]:
         where = "; ".join(r if d == "any" else f"{d}: {r}" for d, r in b["devices"].items())
         lines.append(f"  {b['axis']:<12} {b['name']:<18} {where}")
+    listens = facts["listens"]
+    lines.append(
+        f"listening (a launch with --master-addr {listens['master_addr']}; see docs/trust.md)"
+    )
+    for row in listens["rows"]:
+        lines.append(f"  {row['component']:<32} {row['address']}")
+        lines.append(f"  {'':<32} {row['note']}")
     return "\n".join(lines)
 
 
@@ -598,6 +633,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     info.add_argument("--json", action="store_true", help="print the report as JSON")
+    info.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        type=str,
+        help="the rendezvous address whose listeners to describe",
+    )
     info.set_defaults(func=cmd_info, job=None)
     return parser
 
