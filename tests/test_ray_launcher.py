@@ -90,6 +90,32 @@ def test_results_in_rank_order_with_torchrun_env(ray_session, n: int) -> None:
     _assert_nothing_lingers()
 
 
+class SecretTask(DistributedTask):
+    def run(self) -> dict[str, Any]:
+        secret = self.worker_info.secret
+        return {
+            "secret": secret,
+            "in_env": any(secret.hex() in v or v.encode() == secret for v in os.environ.values()),
+            "in_repr": secret.hex() in repr(self.worker_info) or repr(secret) in repr(self),
+        }
+
+
+@distributed_test(timeout=120)
+def test_the_launch_secret_reaches_every_actor_and_no_environment(ray_session) -> None:
+    """One 32-byte secret per launch, the same on every rank, handed over Ray's own channel:
+    never in an actor's environment nor in a ``WorkerInfo`` repr."""
+    from vllm_dist import RayLauncher
+
+    launcher = RayLauncher(2, timeout=60)
+    first, second = (launcher.launch(task_type=SecretTask) for _ in range(2))
+    for results in (first, second):
+        assert len(results[0]["secret"]) == 32
+        assert results[0]["secret"] == results[1]["secret"]
+        assert not any(r["in_env"] or r["in_repr"] for r in results), results
+    assert first[0]["secret"] != second[0]["secret"]
+    _assert_nothing_lingers()
+
+
 @distributed_test(timeout=120)
 @pytest.mark.parametrize("mode", ["raise", "exit"])
 def test_failure_names_rank_and_kills_the_others(ray_session, mode: str) -> None:

@@ -10,6 +10,13 @@ actor is killed and the placement group removed before ``launch()`` returns or r
 The task travels as the bytes ``pack_launch`` makes (our cloudpickle, with dynamic modules by
 value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``.
 
+Without ``address=`` the launcher starts a private Ray for this process instead of joining the
+cluster that ``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be
+another user's; with Ray's token authentication on (Ray's default for a new cluster; only tests
+turn it off) the token file it creates is readable by its owner only. What stays Ray's: its GCS
+and raylets listen on every interface, so the token is what keeps other users out; the token
+travels in clear gRPC metadata unless Ray's TLS is on; any process of the same user can read it.
+
 Ray is imported inside methods only: ``from vllm_dist import RayLauncher`` works without Ray, and a
 launcher built without it raises ``BackendUnavailableError`` naming the install command. Rejected
 alternatives: Ray Train's ``TorchTrainer`` (owns checkpointing and a training loop we do not
@@ -78,9 +85,11 @@ class RayLauncher(Launcher):
             NCCL P2P). Otherwise each actor keeps Ray's assignment (only its own GPUs).
         num_cpus_per_task: CPUs reserved for each actor.
         placement_strategy: ``PACK`` (default), ``SPREAD``, ``STRICT_PACK`` or ``STRICT_SPREAD``.
-        address: the cluster to join (``"ray://..."``, ``"host:port"``, ``"auto"``). None joins
-            the cluster this process is already connected to, else one found through
-            ``RAY_ADDRESS`` or ``ray start``, else starts a private local one for the launch.
+        address: the existing cluster to join (``"ray://..."``, ``"host:port"``, or ``"auto"``:
+            the one ``RAY_ADDRESS`` or a running ``ray start`` names). None (default) starts a
+            private local cluster for this process, whatever ``RAY_ADDRESS`` or ``ray start``
+            name: on a shared host those can be someone else's. Either way, a Ray this process
+            already initialized (its own ``ray.init``) is used as it is.
         runtime_env: Ray runtime environment of the actors (``{"env_vars": {...}}``, ...).
         timeout: seconds one launch may take in all; None = no limit on the task itself.
         startup_timeout: seconds to reserve the placement group and start the actors; a request
@@ -116,6 +125,11 @@ class RayLauncher(Launcher):
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
                 f"placement_strategy {placement_strategy!r} is not one of {PLACEMENT_STRATEGIES}"
+            )
+        if address is not None and (not isinstance(address, str) or not address.strip()):
+            raise ValueError(
+                f"address must be 'auto', 'host:port' or 'ray://host:port' to join a cluster, "
+                f"or None for a private one; got {address!r}"
             )
         check_seconds("timeout", timeout)
         check_seconds("startup_timeout", startup_timeout, allow_none=False)
@@ -159,12 +173,11 @@ class RayLauncher(Launcher):
         """Make sure this process is connected to Ray; True when this call connected it."""
         if ray.is_initialized():
             return False
-        address = self._address or _running_cluster_address()
-        if address is not None:
-            ray.init(address=address, log_to_driver=True)
+        if self._address is not None:
+            ray.init(address=self._address, log_to_driver=True)
         else:
             needed = math.ceil(self._n_tasks * self._bundle.get("CPU", 0))
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+            start_private_ray(ray, num_cpus=max(os.cpu_count() or 1, needed))
         if self._keep_ray:
             atexit.register(ray.shutdown)  # once per Ray started here; a no-op if already down
         return True
@@ -428,16 +441,50 @@ def _alive_nodes(ray: Any) -> list[dict[str, float]]:
     return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
 
 
-def _running_cluster_address() -> str | None:
-    """The address of a cluster found through ``RAY_ADDRESS`` or ``ray start``, else None."""
+def start_private_ray(ray: Any, *, num_cpus: int) -> None:
+    """Start a Ray cluster for this process alone, on this machine.
+
+    ``address="local"`` makes Ray start one even where ``RAY_ADDRESS`` or a running ``ray start``
+    names another cluster (Ray reads those only for ``None`` and ``"auto"``).
+    """
+    _owner_only_auth_token()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    _restrict_default_token()  # in case Ray's token set-up changed shape and wrote it itself
+
+
+def _owner_only_auth_token() -> None:
+    """Have Ray create its auth token, when the new cluster will use one, readable only by us.
+
+    Ray writes ``~/.ray/auth_token`` with the process umask (0644 under the usual 022), so that
+    every user of the host could join the cluster; the umask is 077 only for that one write. A
+    token given through ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH`` is the user's to protect,
+    and ``RAY_AUTH_MODE=disabled`` (which only tests should set) is respected.
+    """
     try:
-        from ray._private.services import canonicalize_bootstrap_address
-    except ImportError:  # a Ray without this helper: start a private cluster
-        return None
+        from ray._private.authentication import authentication_token_setup as setup
+    except ImportError:  # a Ray without token authentication
+        return
     try:
-        return canonicalize_bootstrap_address(None)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - nothing usable is running
-        return None
+        if not setup.enable_token_auth_by_default():  # what ray.init does first for a new cluster
+            return
+        _restrict_default_token()  # a token left by an earlier Ray
+        old = os.umask(0o077)
+        try:
+            setup.ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+        finally:
+            os.umask(old)
+    except (AttributeError, TypeError):  # Ray's private set-up moved: chmod after ray.init
+        return
+
+
+def _restrict_default_token() -> None:
+    """Make Ray's default token file (``~/.ray/auth_token``) readable by its owner only."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, 0o600)
 
 
 def _outcome_failure(rank: int, outcome: WorkerOutcome) -> WorkerFailure | None:
