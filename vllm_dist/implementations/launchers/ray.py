@@ -32,7 +32,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_dist import serialization
@@ -239,6 +239,7 @@ class _Run:
         self._startup_deadline = started + self._startup_limit
         self._pg: Any = None
         self._actors: list[Any] = []
+        self._nodes: list[str] = []  # per rank, once placed: the node named in its failures
 
     def execute(self, packed: bytes) -> list[Any]:
         self._reserve()
@@ -294,7 +295,12 @@ class _Run:
             self._actors.append(actor_cls.options(**options).remote(rank))
         refs = [a.placement.remote(rank == 0) for rank, a in enumerate(self._actors)]
         placements = self._gather(refs, self._startup_deadline, "start", lambda _r, _v: None)
-        return worker_infos(placements), _visible_devices(placements, launcher._bundle)
+        infos = worker_infos(placements)
+        self._nodes = [
+            f"node {i.node_rank} ({p.node_ip}, id {p.node_id[:8]})"
+            for i, p in zip(infos, placements, strict=True)
+        ]
+        return infos, _visible_devices(placements, launcher._bundle)
 
     def _gather(
         self,
@@ -338,12 +344,20 @@ class _Run:
             if failure is not None:
                 failures.append(failure)
             values[rank] = value
-        return failures
+        return [self._on_node(f) for f in failures]
+
+    def _on_node(self, failure: WorkerFailure) -> WorkerFailure:
+        """``failure`` with the node its rank ran on, once the actors have reported it."""
+        if failure.rank >= len(self._nodes):
+            return failure
+        return replace(failure, reason=f"{failure.reason} [on {self._nodes[failure.rank]}]")
 
     def _timeout_error(self, stuck: list[int], phase: str) -> LaunchTimeoutError:
         limit = f"{self._run_limit if phase == 'run' else self._startup_limit:g} s"
         what = "had not finished" if phase == "run" else "had not started"
-        failures = [WorkerFailure(rank=r, reason=f"{what} after {limit}") for r in stuck]
+        failures = [
+            self._on_node(WorkerFailure(rank=r, reason=f"{what} after {limit}")) for r in stuck
+        ]
         return LaunchTimeoutError(
             failures,
             summary=f"launch timed out after {limit}; rank(s) {stuck} {what} and were stopped",
