@@ -19,12 +19,19 @@ from typing import Any
 import pytest
 
 from tests.utils import distributed_test
-from vllm_dist import DistributedTask, LaunchError, LaunchTimeoutError, WorkerInfo
+from vllm_dist import (
+    DistributedTask,
+    GlobalCoordinatorDistributedTask,
+    LaunchError,
+    LaunchTimeoutError,
+    WorkerInfo,
+)
 from vllm_dist.implementations.launchers.ray import _Placement, _visible_devices, worker_infos
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
+BACKENDS = {"coordinator_type": "torch_distributed", "communicator_type": "torch_distributed"}
 KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -145,6 +152,45 @@ def test_timeout_kills_hung_actors(ray_session) -> None:
     assert time.monotonic() - start < 10
     assert err.value.ranks == [0, 1] and "timed out after 4 s" in str(err.value)
     _assert_nothing_lingers()
+
+
+class OneRankHangs(GlobalCoordinatorDistributedTask):
+    """Both ranks pass one collective; rank 1 then never arrives at the next one."""
+
+    def post_init_distributed(self, **_: Any) -> int:
+        self.coordinator.all_gather_object(0)
+        if self.coordinator.get_rank() == 1:
+            time.sleep(600)  # stuck in its own work
+        self.coordinator.all_gather_object(1)
+        return 0
+
+
+@distributed_test(timeout=180)
+@pytest.mark.parametrize("which", ["launch", "collective"])
+def test_a_timeout_names_the_rank_that_never_arrived(ray_session, which: str) -> None:
+    """Rank 1 hangs in its own work while rank 0 waits in a collective: whether the launch or
+    the collective times out, rank 1 is listed first, with its last operation and its stack."""
+    from vllm_dist import RayLauncher
+
+    kw: dict[str, Any] = dict(BACKENDS)
+    if which == "collective":
+        kw["coordinator_options"] = {"timeout": 4}
+    error = LaunchTimeoutError if which == "launch" else LaunchError
+    records = os.path.join(tempfile.gettempdir(), "vllm_dist-rank*.progress")
+    before = set(glob.glob(records))
+    with pytest.raises(error) as err:
+        RayLauncher(2, timeout=15 if which == "launch" else 90).launch(task_type=OneRankHangs, **kw)
+    first = err.value.failures[0]
+    assert first.rank == 1 and first.kind == "hung" and first.cause, str(err.value)
+    assert first.last_op.startswith("returned from all_gather_object #"), first.last_op
+    assert "post_init_distributed" in first.traceback, first.traceback
+    zero = next(f for f in err.value.failures if f.rank == 0)
+    assert not zero.cause and zero.last_op.startswith("inside all_gather_object #"), str(err)
+    text = str(err.value)
+    assert text.index("--- rank 1") < text.index("--- rank 0"), text
+    assert "on node 0" in text
+    _assert_nothing_lingers()
+    assert set(glob.glob(records)) <= before  # the killed actors left no progress file
 
 
 @distributed_test(timeout=60)

@@ -30,7 +30,11 @@ import atexit
 import contextlib
 import math
 import os
+import sys
+import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,10 +46,16 @@ from vllm_dist.implementations.launchers.common import (
     check_seconds,
     find_free_port,
     launch_retrying_taken_ports,
+    looks_like_consequence,
     mark_causes,
     pack_launch,
     raised_failure,
     run_packed_task,
+)
+from vllm_dist.implementations.launchers.mp import (  # progress records, read as MPLauncher does
+    _describe_record,
+    _lagging,
+    _read_record,
 )
 from vllm_dist.interfaces import (
     BackendUnavailableError,
@@ -56,10 +66,11 @@ from vllm_dist.interfaces import (
     WorkerFailure,
     WorkerInfo,
 )
-from vllm_dist.interfaces.launcher import new_launch_id, new_secret
+from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, new_launch_id, new_secret
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _INLINE_LIMIT = 1 << 20  # packed launches above this go through the object store once
+_REPORT_WAIT = 5.0  # seconds to wait for the actors' progress reports after a timeout
 
 
 def import_ray() -> Any:
@@ -183,8 +194,8 @@ class RayLauncher(Launcher):
         return True
 
     def _remote_class(self, ray: Any) -> Any:
-        if self._actor_cls is None:
-            self._actor_cls = ray.remote(_RankActor)
+        if self._actor_cls is None:  # "report" answers while "run" is busy in the default group
+            self._actor_cls = ray.remote(concurrency_groups={"report": 1})(_RankActor)
         return self._actor_cls
 
     def _request(self) -> str:
@@ -203,10 +214,17 @@ class _Placement:
 
 
 class _RankActor:
-    """The actor body: reports its placement, then runs one rank of a packed launch."""
+    """The actor body: reports its placement, then runs one rank of a packed launch.
+
+    While the rank runs, its coordinator keeps its last operation in a file on the actor's node
+    (``PROGRESS_FILE_ENV``); ``report`` reads it, and the running task's stack, on request.
+    """
 
     def __init__(self, rank: int) -> None:
         self._rank = rank
+        self._progress_file = ""
+        self._run_thread: int | None = None
+        self._final_record: Any = None
 
     def __repr__(self) -> str:
         return f"rank{self._rank}"  # Ray prefixes the actor's forwarded output with this
@@ -224,7 +242,30 @@ class _RankActor:
 
     def run(self, packed: bytes, info: WorkerInfo, env: Mapping[str, str]) -> WorkerOutcome:
         os.environ.update(env)
-        return run_packed_task(packed, info)
+        fd, named = tempfile.mkstemp(prefix=f"vllm_dist-rank{info.rank}-", suffix=".progress")
+        path = named
+        if os.path.isdir("/proc/self/fd"):  # Linux: no name is left behind, even if killed
+            os.unlink(named)
+            path, named = f"/proc/self/fd/{fd}", ""
+        os.environ[PROGRESS_FILE_ENV] = self._progress_file = path
+        self._run_thread = threading.get_ident()
+        try:
+            return run_packed_task(packed, info)
+        finally:
+            self._run_thread = None
+            self._final_record = _read_record(path)
+            os.close(fd)
+            if named:
+                os.unlink(named)
+
+    def report(self) -> tuple[Any, str]:
+        """This rank's last coordinator record and, while its task still runs, its stack."""
+        thread = self._run_thread
+        if thread is None:
+            return self._final_record, ""
+        frame = sys._current_frames().get(thread)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        return _read_record(self._progress_file), stack
 
 
 class _Run:
@@ -322,6 +363,8 @@ class _Run:
                 time.sleep(0.05)  # ranks failing at about the same time are reported too
                 more, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
                 failures += self._take(more, pending, values, check)
+                if phase == "run" and all(looks_like_consequence(f) for f in failures):
+                    failures = self._with_hung(failures, sorted(pending.values()))
                 raise LaunchError(mark_causes(failures))
         return [values[r] for r in range(len(refs))]
 
@@ -353,15 +396,62 @@ class _Run:
         return replace(failure, reason=f"{failure.reason} [on {self._nodes[failure.rank]}]")
 
     def _timeout_error(self, stuck: list[int], phase: str) -> LaunchTimeoutError:
-        limit = f"{self._run_limit if phase == 'run' else self._startup_limit:g} s"
-        what = "had not finished" if phase == "run" else "had not started"
+        if phase == "run":
+            failures = mark_causes(self._with_hung([], stuck))
+            blamed = [f.rank for f in failures if f.cause]
+            return LaunchTimeoutError(
+                failures,
+                summary=f"launch timed out after {self._run_limit:g} s; rank(s) {stuck} had "
+                f"not finished and were stopped; rank(s) {blamed} lag behind the others "
+                "(listed first, with what they did last and their stacks)",
+            )
+        limit = f"{self._startup_limit:g} s"
         failures = [
-            self._on_node(WorkerFailure(rank=r, reason=f"{what} after {limit}")) for r in stuck
+            self._on_node(WorkerFailure(rank=r, reason=f"had not started after {limit}"))
+            for r in stuck
         ]
         return LaunchTimeoutError(
             failures,
-            summary=f"launch timed out after {limit}; rank(s) {stuck} {what} and were stopped",
+            summary=f"launch timed out after {limit}; rank(s) {stuck} had not started and "
+            "were stopped",
         )
+
+    def _with_hung(self, failures: list[WorkerFailure], live: list[int]) -> list[WorkerFailure]:
+        """``failures`` with their last coordinator operation, plus one ``hung`` failure per
+        rank of ``live`` (still running) with its last operation and stack; the ranks that lag
+        behind where the others wait are marked as the cause."""
+        reports = self._reports(range(len(self._actors)))
+        records = {r: record for r, (record, _) in reports.items()}
+        lagging = set(_lagging(records, live)) or set(live)
+        now = time.time()
+        hung = [
+            self._on_node(
+                WorkerFailure(
+                    rank=r,
+                    reason="still running (stopped by the launcher)",
+                    traceback=f"stack of rank {r}:\n{reports[r][1]}" if r in reports else "",
+                    kind="hung",
+                    at=now,
+                    cause=r in lagging,
+                    last_op=_describe_record(records.get(r)),
+                )
+            )
+            for r in live
+        ]
+        done = [replace(f, last_op=_describe_record(records.get(f.rank))) for f in failures]
+        return done + hung
+
+    def _reports(self, ranks: range) -> dict[int, tuple[Any, str]]:
+        """``(last coordinator record, stack)`` of every rank whose actor still answers."""
+        refs = {
+            self._actors[r].report.options(concurrency_group="report").remote(): r for r in ranks
+        }
+        ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=_REPORT_WAIT)
+        out = {}
+        for ref in ready:
+            with contextlib.suppress(Exception):  # a dead actor has nothing to report
+                out[refs[ref]] = self._ray.get(ref, timeout=0)
+        return out
 
     def stop(self) -> None:
         """Kill every actor and remove the placement group (both are idempotent)."""
