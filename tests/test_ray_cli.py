@@ -135,7 +135,6 @@ def _run_cli(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str
     code = f"""
         import sys
         from vllm_dist.cli import main
-from vllm_dist.examples.weight_sync_demo import run_demo
         sys.exit(main({argv!r}))
         """
     ray_tmp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths have a length limit
