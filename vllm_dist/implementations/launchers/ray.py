@@ -5,10 +5,14 @@ nodes), starts one actor in each bundle, asks every actor where it landed (node 
 ids), derives torchrun's variables from that (``MASTER_ADDR`` is rank 0's node, ``MASTER_PORT`` a
 port found free *on that node*, local ranks counted per node), then runs the packed task in every
 actor and waits on all of them at once. The first failed rank or dead actor ends the launch; every
-actor is killed and the placement group removed before ``launch()`` returns or raises.
+actor is killed and the placement group removed before ``launch()`` returns or raises. At a
+timeout, or when every failure is a reaction to a peer, each live actor reports its coordinator's
+last operation and its stack from a second concurrency group, so the rank that never arrived is
+named first; every failure names its node.
 
 The task travels as the bytes ``pack_launch`` makes (our cloudpickle, with dynamic modules by
-value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``.
+value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``; the launch secret in ``WorkerInfo`` reaches the actors that
+way too, never through their environment.
 
 Without ``address=`` the launcher starts a private Ray for this process instead of joining the
 cluster that ``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be
