@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -42,6 +43,7 @@ class EnvTask(DistributedTask):
             "info": self.worker_info,
             "kwargs": kwargs,
             "pid": os.getpid(),
+            "main_thread": threading.current_thread() is threading.main_thread(),
         }
 
 
@@ -93,6 +95,7 @@ def test_results_in_rank_order_with_torchrun_env(ray_session, n: int) -> None:
         assert info.node_rank == 0 and info.master_addr == "127.0.0.1"
         assert r["env"] == {k: v for k, v in info.env().items() if k in KEYS}
         assert r["kwargs"] == {"alpha": 1, "beta": [2]}
+        assert r["main_thread"]  # as under MPLauncher: a task may install signal handlers
     assert len({r["info"].master_port for r in results}) == 1
     _assert_nothing_lingers()
 
@@ -176,8 +179,6 @@ def test_a_timeout_names_the_rank_that_never_arrived(ray_session, which: str) ->
     if which == "collective":
         kw["coordinator_options"] = {"timeout": 4}
     error = LaunchTimeoutError if which == "launch" else LaunchError
-    records = os.path.join(tempfile.gettempdir(), "vllm_dist-rank*.progress")
-    before = set(glob.glob(records))
     with pytest.raises(error) as err:
         RayLauncher(2, timeout=15 if which == "launch" else 90).launch(task_type=OneRankHangs, **kw)
     first = err.value.failures[0]
@@ -190,7 +191,6 @@ def test_a_timeout_names_the_rank_that_never_arrived(ray_session, which: str) ->
     assert text.index("--- rank 1") < text.index("--- rank 0"), text
     assert "on node 0" in text
     _assert_nothing_lingers()
-    assert set(glob.glob(records)) <= before  # the killed actors left no progress file
 
 
 @distributed_test(timeout=60)

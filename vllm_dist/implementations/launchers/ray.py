@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import math
 import os
-import sys
+import signal
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -74,7 +73,7 @@ from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, new_launch_id, new_
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _INLINE_LIMIT = 1 << 20  # packed launches above this go through the object store once
-_REPORT_WAIT = 5.0  # seconds to wait for the actors' progress reports after a timeout
+_REPORT_WAIT = 15.0  # seconds to wait for the ranks' progress reports after a timeout
 
 
 def import_ray() -> Any:
@@ -198,8 +197,8 @@ class RayLauncher(Launcher):
         return True
 
     def _remote_class(self, ray: Any) -> Any:
-        if self._actor_cls is None:  # "report" answers while "run" is busy in the default group
-            self._actor_cls = ray.remote(concurrency_groups={"report": 1})(_RankActor)
+        if self._actor_cls is None:
+            self._actor_cls = ray.remote(_RankActor)
         return self._actor_cls
 
     def _request(self) -> str:
@@ -209,25 +208,29 @@ class RayLauncher(Launcher):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Placement:
-    """Where one actor landed, as it reports it."""
+    """Where one actor landed, as it reports it; ``pid`` and ``files`` (its progress record and
+    stack-dump descriptors, -1 where ``/proc`` is missing) let a task on its node read them."""
 
     node_ip: str
     node_id: str
     gpu_ids: tuple[str, ...]
     free_port: int | None
+    pid: int = 0
+    files: tuple[int, int] = (-1, -1)
 
 
 class _RankActor:
     """The actor body: reports its placement, then runs one rank of a packed launch.
 
-    While the rank runs, its coordinator keeps its last operation in a file on the actor's node
-    (``PROGRESS_FILE_ENV``); ``report`` reads it, and the running task's stack, on request.
+    The task runs on the actor's main thread (a concurrency group would move it off it). While it
+    runs, its coordinator keeps its last operation in an unlinked file (``PROGRESS_FILE_ENV``)
+    and ``faulthandler`` dumps its stacks into another on SIGUSR1: ``_peek``, a task the parent
+    starts on the same node after a timeout, reads both through ``/proc/<pid>/fd``.
     """
 
     def __init__(self, rank: int) -> None:
         self._rank = rank
-        self._progress_file = ""
-        self._run_thread: int | None = None
+        self._files: list[Any] = []
         self._final_record: Any = None
 
     def __repr__(self) -> str:
@@ -237,39 +240,57 @@ class _RankActor:
         import ray
 
         ip = _node_ip(ray)
+        if os.path.isdir("/proc/self/fd"):  # unlinked files: nothing is left behind, even killed
+            self._files = [tempfile.TemporaryFile() for _ in range(2)]  # noqa: SIM115 - closed by run
         return _Placement(
             node_ip=ip,
             node_id=ray.get_runtime_context().get_node_id(),
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
             free_port=find_free_port(ip) if want_port else None,
+            pid=os.getpid(),
+            files=(self._files[0].fileno(), self._files[1].fileno()) if self._files else (-1, -1),
         )
 
     def run(self, packed: bytes, info: WorkerInfo, env: Mapping[str, str]) -> WorkerOutcome:
         os.environ.update(env)
-        fd, named = tempfile.mkstemp(prefix=f"vllm_dist-rank{info.rank}-", suffix=".progress")
-        path = named
-        if os.path.isdir("/proc/self/fd"):  # Linux: no name is left behind, even if killed
-            os.unlink(named)
-            path, named = f"/proc/self/fd/{fd}", ""
-        os.environ[PROGRESS_FILE_ENV] = self._progress_file = path
-        self._run_thread = threading.get_ident()
+        if not self._files:
+            return run_packed_task(packed, info)
+        progress, stacks = self._files
+        os.environ[PROGRESS_FILE_ENV] = f"/proc/self/fd/{progress.fileno()}"
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         try:
             return run_packed_task(packed, info)
         finally:
-            self._run_thread = None
-            self._final_record = _read_record(path)
-            os.close(fd)
-            if named:
-                os.unlink(named)
+            faulthandler.unregister(signal.SIGUSR1)
+            self._final_record = _read_record(f"/proc/self/fd/{progress.fileno()}")
+            for f in self._files:
+                f.close()
+            self._files = []
 
-    def report(self) -> tuple[Any, str]:
-        """This rank's last coordinator record and, while its task still runs, its stack."""
-        thread = self._run_thread
-        if thread is None:
-            return self._final_record, ""
-        frame = sys._current_frames().get(thread)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        return _read_record(self._progress_file), stack
+    def report(self) -> Any:
+        """This rank's last coordinator record, once its task has returned or raised."""
+        return self._final_record
+
+
+def _peek(pid: int, files: tuple[int, int], wait: float) -> tuple[Any, str]:
+    """Run on a live actor's node: its last coordinator record and its stacks (SIGUSR1)."""
+    progress, stacks = (f"/proc/{pid}/fd/{fd}" for fd in files)
+    record = _read_record(progress)
+    try:
+        os.truncate(stacks, 0)
+        os.kill(pid, signal.SIGUSR1)
+    except OSError:  # gone, or /proc closed to us: the record alone
+        return record, ""
+    deadline = time.monotonic() + wait
+    text = ""
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        with contextlib.suppress(OSError), open(stacks, errors="replace") as f:
+            now = f.read()
+        if now and now == text:  # the dump is written in one go; two equal reads: it ended
+            break
+        text = now
+    return record, text
 
 
 class _Run:
@@ -284,6 +305,7 @@ class _Run:
         self._startup_deadline = started + self._startup_limit
         self._pg: Any = None
         self._actors: list[Any] = []
+        self._placements: list[_Placement] = []
         self._nodes: list[str] = []  # per rank, once placed: the node named in its failures
 
     def execute(self, packed: bytes) -> list[Any]:
@@ -341,6 +363,7 @@ class _Run:
         refs = [a.placement.remote(rank == 0) for rank, a in enumerate(self._actors)]
         placements = self._gather(refs, self._startup_deadline, "start", lambda _r, _v: None)
         infos = worker_infos(placements)
+        self._placements = placements
         self._nodes = [
             f"node {i.node_rank} ({p.node_ip}, id {p.node_id[:8]})"
             for i, p in zip(infos, placements, strict=True)
@@ -422,39 +445,46 @@ class _Run:
 
     def _with_hung(self, failures: list[WorkerFailure], live: list[int]) -> list[WorkerFailure]:
         """``failures`` with their last coordinator operation, plus one ``hung`` failure per
-        rank of ``live`` (still running) with its last operation and stack; the ranks that lag
+        rank of ``live`` (still running) with its last operation and stacks; the ranks that lag
         behind where the others wait are marked as the cause."""
-        reports = self._reports(range(len(self._actors)))
+        reports = self._reports([f.rank for f in failures], live)
         records = {r: record for r, (record, _) in reports.items()}
         lagging = set(_lagging(records, live)) or set(live)
         now = time.time()
-        hung = [
-            self._on_node(
-                WorkerFailure(
-                    rank=r,
-                    reason="still running (stopped by the launcher)",
-                    traceback=f"stack of rank {r}:\n{reports[r][1]}" if r in reports else "",
-                    kind="hung",
-                    at=now,
-                    cause=r in lagging,
-                    last_op=_describe_record(records.get(r)),
-                )
+        hung = []
+        for r in live:
+            stacks = reports.get(r, (None, ""))[1]
+            failure = WorkerFailure(
+                rank=r,
+                reason="still running (stopped by the launcher)",
+                traceback=f"stacks of rank {r}:\n{stacks}" if stacks else "",
+                kind="hung",
+                at=now,
+                cause=r in lagging,
+                last_op=_describe_record(records.get(r)),
             )
-            for r in live
-        ]
+            hung.append(self._on_node(failure))
         done = [replace(f, last_op=_describe_record(records.get(f.rank))) for f in failures]
         return done + hung
 
-    def _reports(self, ranks: range) -> dict[int, tuple[Any, str]]:
-        """``(last coordinator record, stack)`` of every rank whose actor still answers."""
-        refs = {
-            self._actors[r].report.options(concurrency_group="report").remote(): r for r in ranks
-        }
+    def _reports(self, done: list[int], live: list[int]) -> dict[int, tuple[Any, str]]:
+        """``(last coordinator record, stacks)`` per rank: the finished ranks' actors answer
+        themselves, a ``_peek`` task on its node answers for a live one; none for the dead."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        refs = {self._actors[r].report.remote(): r for r in done}
+        peek = self._ray.remote(num_cpus=0, max_retries=0)(_peek)
+        for r in live:
+            p = self._placements[r]
+            if min(p.files) >= 0:
+                where = NodeAffinitySchedulingStrategy(node_id=p.node_id, soft=False)
+                refs[peek.options(scheduling_strategy=where).remote(p.pid, p.files, 2.0)] = r
         ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=_REPORT_WAIT)
-        out = {}
+        out: dict[int, tuple[Any, str]] = {}
         for ref in ready:
             with contextlib.suppress(Exception):  # a dead actor has nothing to report
-                out[refs[ref]] = self._ray.get(ref, timeout=0)
+                value = self._ray.get(ref, timeout=0)
+                out[refs[ref]] = value if refs[ref] in live else (value, "")
         return out
 
     def stop(self) -> None:
