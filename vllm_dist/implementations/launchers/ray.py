@@ -6,13 +6,14 @@ ids), derives torchrun's variables from that (``MASTER_ADDR`` is rank 0's node, 
 port found free *on that node*, local ranks counted per node), then runs the packed task in every
 actor and waits on all of them at once. The first failed rank or dead actor ends the launch; every
 actor is killed and the placement group removed before ``launch()`` returns or raises. At a
-timeout, or when every failure is a reaction to a peer, each live actor reports its coordinator's
-last operation and its stack from a second concurrency group, so the rank that never arrived is
-named first; every failure names its node.
+timeout, or when every failure is a reaction to a peer, a small task on each live rank's node
+reads that rank's last coordinator operation and its stacks, so the rank that never arrived is
+named first; every failure names its node. Rejected: asking the actor itself from a second
+concurrency group, which makes Ray run every method, the task too, off the main thread.
 
 The task travels as the bytes ``pack_launch`` makes (our cloudpickle, with dynamic modules by
-value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``; the launch secret in ``WorkerInfo`` reaches the actors that
-way too, never through their environment.
+value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``; the
+launch secret in ``WorkerInfo`` reaches the actors that way too, never through their environment.
 
 Without ``address=`` the launcher starts a private Ray for this process instead of joining the
 cluster that ``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be
