@@ -242,7 +242,8 @@ class _RankActor:
 
         ip = _node_ip(ray)
         if os.path.isdir("/proc/self/fd"):  # unlinked files: nothing is left behind, even killed
-            self._files = [tempfile.TemporaryFile() for _ in range(2)]  # noqa: SIM115 - closed by run
+            files = [tempfile.TemporaryFile() for _ in range(2)]  # noqa: SIM115 - run closes them
+            self._files = files
         return _Placement(
             node_ip=ip,
             node_id=ray.get_runtime_context().get_node_id(),
