@@ -6,7 +6,7 @@ ids), derives torchrun's variables from that (``MASTER_ADDR`` is rank 0's node, 
 port found free *on that node*, local ranks counted per node), then runs the packed task in every
 actor and waits on all of them at once. The first failed rank or dead actor ends the launch; every
 actor is killed and the placement group removed before ``launch()`` returns or raises. At a
-timeout, or when every failure is a reaction to a peer, a small task on each live rank's node
+timeout, or when every failure is a reaction to a peer, a small actor on each live rank's node
 reads that rank's last coordinator operation and its stacks, so the rank that never arrived is
 named first; every failure names its node. Rejected: asking the actor itself from a second
 concurrency group, which makes Ray run every method, the task too, off the main thread.
@@ -210,7 +210,7 @@ class RayLauncher(Launcher):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Placement:
     """Where one actor landed, as it reports it; ``pid`` and ``files`` (its progress record and
-    stack-dump descriptors, -1 where ``/proc`` is missing) let a task on its node read them."""
+    stack-dump descriptors, -1 where ``/proc`` is missing) let an actor on its node read them."""
 
     node_ip: str
     node_id: str
@@ -225,8 +225,8 @@ class _RankActor:
 
     The task runs on the actor's main thread (a concurrency group would move it off it). While it
     runs, its coordinator keeps its last operation in an unlinked file (``PROGRESS_FILE_ENV``)
-    and ``faulthandler`` dumps its stacks into another on SIGUSR1: ``_peek``, a task the parent
-    starts on the same node after a timeout, reads both through ``/proc/<pid>/fd``.
+    and ``faulthandler`` dumps its stacks into another on SIGUSR1: a ``_Peeker`` the parent
+    starts on the same node after a timeout reads both through ``/proc/<pid>/fd``.
     """
 
     def __init__(self, rank: int) -> None:
@@ -274,25 +274,38 @@ class _RankActor:
         return self._final_record
 
 
-def _peek(pid: int, files: tuple[int, int], wait: float) -> tuple[Any, str]:
-    """Run on a live actor's node: its last coordinator record and its stacks (SIGUSR1)."""
-    progress, stacks = (f"/proc/{pid}/fd/{fd}" for fd in files)
-    record = _read_record(progress)
-    try:
-        os.truncate(stacks, 0)
-        os.kill(pid, signal.SIGUSR1)
-    except OSError:  # gone, or /proc closed to us: the record alone
-        return record, ""
-    deadline = time.monotonic() + wait
-    text = ""
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        with contextlib.suppress(OSError), open(stacks, errors="replace") as f:
-            now = f.read()
-        if now and now == text:  # the dump is written in one go; two equal reads: it ended
-            break
-        text = now
-    return record, text
+class _Peeker:
+    """A throwaway actor on one node that reads its live ranks' reports; an actor and not a task
+    so that killing it ends its process (a task's worker would stay in Ray's pool)."""
+
+    def peek(self, targets: list[tuple[int, tuple[int, int]]], wait: float) -> list[Any]:
+        """``(last coordinator record, stacks)`` of each ``(pid, files)`` of ``targets``."""
+        paths = [tuple(f"/proc/{pid}/fd/{fd}" for fd in files) for pid, files in targets]
+        records = [_read_record(progress) for progress, _ in paths]
+        asked = []
+        for (pid, _), (_, stacks) in zip(targets, paths, strict=True):
+            try:
+                os.truncate(stacks, 0)
+                os.kill(pid, signal.SIGUSR1)  # faulthandler in the rank writes its stacks
+                asked.append(stacks)
+            except OSError:  # gone, or /proc closed to us: the record alone
+                asked.append("")
+        texts = ["" for _ in targets]
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = [_read_text(path) if path else "" for path in asked]
+            done = all(a == b for a, b in zip(now, texts, strict=True))
+            texts = now
+            if done and all(t or not path for t, path in zip(texts, asked, strict=True)):
+                break  # each dump is written in one go: two equal reads, it has ended
+        return list(zip(records, texts, strict=True))
+
+
+def _read_text(path: str) -> str:
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return f.read()
+    return ""
 
 
 class _Run:
@@ -471,22 +484,35 @@ class _Run:
 
     def _reports(self, done: list[int], live: list[int]) -> dict[int, tuple[Any, str]]:
         """``(last coordinator record, stacks)`` per rank: the finished ranks' actors answer
-        themselves, a ``_peek`` task on its node answers for a live one; none for the dead."""
+        themselves, a ``_Peeker`` on its node answers for a live one; none for the dead."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        refs = {self._actors[r].report.remote(): r for r in done}
-        peek = self._ray.remote(num_cpus=0, max_retries=0)(_peek)
+        refs = {self._actors[r].report.remote(): [r] for r in done}
+        by_node: dict[str, list[int]] = {}
         for r in live:
-            p = self._placements[r]
-            if min(p.files) >= 0:
-                where = NodeAffinitySchedulingStrategy(node_id=p.node_id, soft=False)
-                refs[peek.options(scheduling_strategy=where).remote(p.pid, p.files, 2.0)] = r
-        ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=_REPORT_WAIT)
+            if min(self._placements[r].files) >= 0:
+                by_node.setdefault(self._placements[r].node_id, []).append(r)
+        peekers = []
+        for node, ranks in by_node.items():
+            where = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            peeker = self._ray.remote(_Peeker).options(num_cpus=0, scheduling_strategy=where)
+            peekers.append(peeker.remote())
+            targets = [(self._placements[r].pid, self._placements[r].files) for r in ranks]
+            refs[peekers[-1].peek.remote(targets, 2.0)] = ranks
+        try:
+            ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=_REPORT_WAIT)
+        finally:
+            for peeker in peekers:
+                with contextlib.suppress(Exception):
+                    self._ray.kill(peeker, no_restart=True)
         out: dict[int, tuple[Any, str]] = {}
         for ref in ready:
             with contextlib.suppress(Exception):  # a dead actor has nothing to report
                 value = self._ray.get(ref, timeout=0)
-                out[refs[ref]] = value if refs[ref] in live else (value, "")
+                if refs[ref][0] in live:
+                    out.update(zip(refs[ref], value, strict=True))
+                else:
+                    out[refs[ref][0]] = (value, "")
         return out
 
     def stop(self) -> None:
