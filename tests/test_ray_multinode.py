@@ -1,7 +1,7 @@
 """RayLauncher on several nodes: Ray's own ``cluster_utils.Cluster`` (two raylets on loopback).
 
 One driver in a fresh interpreter starts the two-node cluster, runs every placement strategy on
-it and a launch whose node-1 worker dies, then stops the cluster; the test checks what each rank
+it, a launch whose node-1 worker dies and one whose node-1 worker hangs, then stops the cluster; the test checks what each rank
 saw. The session's Ray is not involved (a process has one Ray).
 """
 
@@ -25,17 +25,22 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 DRIVER = """
-    import json, os
+    import json, os, time
     import ray, torch
     from ray.cluster_utils import Cluster
     from vllm_dist import CommunicatorType, CoordinatorType, LaunchError, RayLauncher
     from vllm_dist.tasks.base import GlobalCoordinatorDistributedTask
 
     class Where(GlobalCoordinatorDistributedTask):
-        def post_init_distributed(self, exit_rank=-1):
+        def post_init_distributed(self, exit_rank=-1, hang_rank=-1):
             info = self.worker_info
             if info.rank == exit_rank:
                 os._exit(3)
+            if hang_rank >= 0:
+                self.coordinator.all_gather_object(0)
+                if info.rank == hang_rank:
+                    time.sleep(600)  # never arrives where rank 0 waits
+                self.coordinator.all_gather_object(1)
             t = torch.full((4,), float(info.rank + 1))
             self.communicator.all_reduce(tensor_in=t)
             return {
@@ -67,6 +72,13 @@ DRIVER = """
             )
         except LaunchError as exc:
             out["failed"] = {"ranks": exc.ranks, "text": str(exc)}
+        try:
+            RayLauncher(2, placement_strategy="STRICT_SPREAD", timeout=20).launch(
+                task_type=Where, hang_rank=1, **kw
+            )
+        except LaunchError as exc:
+            first = exc.failures[0]
+            out["hung"] = {"first": first.rank, "stack": first.traceback, "text": str(exc)}
         ray.shutdown()
     finally:
         cluster.shutdown()
@@ -118,3 +130,6 @@ def test_placement_strategies_and_node_facts_on_a_two_node_cluster() -> None:
     _check_layout(out["STRICT_PACK"], nodes=1)
     failed = out["failed"]
     assert 1 in failed["ranks"] and "on node 1 (127.0.0.1" in failed["text"], failed
+    hung = out["hung"]  # read on node 1 by an actor there
+    assert hung["first"] == 1 and "post_init_distributed" in hung["stack"], hung
+    assert "--- rank 1: still running (stopped by the launcher) [on node 1" in hung["text"], hung
