@@ -13,18 +13,26 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from typing import Any
 
 import pytest
 
 from tests.utils import distributed_test
-from vllm_dist import DistributedTask, LaunchError, LaunchTimeoutError, WorkerInfo
+from vllm_dist import (
+    DistributedTask,
+    GlobalCoordinatorDistributedTask,
+    LaunchError,
+    LaunchTimeoutError,
+    WorkerInfo,
+)
 from vllm_dist.implementations.launchers.ray import _Placement, _visible_devices, worker_infos
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
+BACKENDS = {"coordinator_type": "torch_distributed", "communicator_type": "torch_distributed"}
 KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -35,6 +43,7 @@ class EnvTask(DistributedTask):
             "info": self.worker_info,
             "kwargs": kwargs,
             "pid": os.getpid(),
+            "main_thread": threading.current_thread() is threading.main_thread(),
         }
 
 
@@ -86,7 +95,34 @@ def test_results_in_rank_order_with_torchrun_env(ray_session, n: int) -> None:
         assert info.node_rank == 0 and info.master_addr == "127.0.0.1"
         assert r["env"] == {k: v for k, v in info.env().items() if k in KEYS}
         assert r["kwargs"] == {"alpha": 1, "beta": [2]}
+        assert r["main_thread"]  # as under MPLauncher: a task may install signal handlers
     assert len({r["info"].master_port for r in results}) == 1
+    _assert_nothing_lingers()
+
+
+class SecretTask(DistributedTask):
+    def run(self) -> dict[str, Any]:
+        secret = self.worker_info.secret
+        return {
+            "secret": secret,
+            "in_env": any(secret.hex() in v or v.encode() == secret for v in os.environ.values()),
+            "in_repr": secret.hex() in repr(self.worker_info) or repr(secret) in repr(self),
+        }
+
+
+@distributed_test(timeout=120)
+def test_the_launch_secret_reaches_every_actor_and_no_environment(ray_session) -> None:
+    """One 32-byte secret per launch, the same on every rank, handed over Ray's own channel:
+    never in an actor's environment nor in a ``WorkerInfo`` repr."""
+    from vllm_dist import RayLauncher
+
+    launcher = RayLauncher(2, timeout=60)
+    first, second = (launcher.launch(task_type=SecretTask) for _ in range(2))
+    for results in (first, second):
+        assert len(results[0]["secret"]) == 32
+        assert results[0]["secret"] == results[1]["secret"]
+        assert not any(r["in_env"] or r["in_repr"] for r in results), results
+    assert first[0]["secret"] != second[0]["secret"]
     _assert_nothing_lingers()
 
 
@@ -118,6 +154,42 @@ def test_timeout_kills_hung_actors(ray_session) -> None:
         RayLauncher(2, timeout=4).launch(task_type=FailTask, mode="hang")
     assert time.monotonic() - start < 10
     assert err.value.ranks == [0, 1] and "timed out after 4 s" in str(err.value)
+    _assert_nothing_lingers()
+
+
+class OneRankHangs(GlobalCoordinatorDistributedTask):
+    """Both ranks pass one collective; rank 1 then never arrives at the next one."""
+
+    def post_init_distributed(self, **_: Any) -> int:
+        self.coordinator.all_gather_object(0)
+        if self.coordinator.get_rank() == 1:
+            time.sleep(600)  # stuck in its own work
+        self.coordinator.all_gather_object(1)
+        return 0
+
+
+@distributed_test(timeout=180)
+@pytest.mark.parametrize("which", ["launch", "collective"])
+def test_a_timeout_names_the_rank_that_never_arrived(ray_session, which: str) -> None:
+    """Rank 1 hangs in its own work while rank 0 waits in a collective: whether the launch or
+    the collective times out, rank 1 is listed first, with its last operation and its stack."""
+    from vllm_dist import RayLauncher
+
+    kw: dict[str, Any] = dict(BACKENDS)
+    if which == "collective":
+        kw["coordinator_options"] = {"timeout": 4}
+    error = LaunchTimeoutError if which == "launch" else LaunchError
+    with pytest.raises(error) as err:
+        RayLauncher(2, timeout=15 if which == "launch" else 90).launch(task_type=OneRankHangs, **kw)
+    first = err.value.failures[0]
+    assert first.rank == 1 and first.kind == "hung" and first.cause, str(err.value)
+    assert first.last_op.startswith("returned from all_gather_object #"), first.last_op
+    assert "post_init_distributed" in first.traceback, first.traceback
+    zero = next(f for f in err.value.failures if f.rank == 0)
+    assert not zero.cause and zero.last_op.startswith("inside all_gather_object #"), str(err)
+    text = str(err.value)
+    assert text.index("--- rank 1") < text.index("--- rank 0"), text
+    assert "on node 0" in text
     _assert_nothing_lingers()
 
 

@@ -77,6 +77,18 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _gpus(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GPUs") from None
+    if not 0 <= value <= 1024:
+        raise argparse.ArgumentTypeError(
+            f"must be between 0 and 1024 (fractions allowed), got {text}"
+        )
+    return value
+
+
 def _backend_name(axis: str) -> Callable[[str], str]:
     """A ``type=`` that resolves a registry name (case-insensitive) and suggests on a typo."""
     reg = getattr(registry, f"{axis}s")
@@ -146,8 +158,15 @@ def check_args(args: argparse.Namespace) -> None:
     device = getattr(args, "device", "cpu")
     launcher = getattr(args, "launcher", "mp")
     local = launcher == "mp"
-    if getattr(args, "address", None) and launcher != "ray":
+    address = getattr(args, "address", None)
+    if address is not None and launcher != "ray":
         raise UsageError("--address joins a Ray cluster: add --launcher ray, or drop --address")
+    if address is not None and not address.strip():
+        raise UsageError(
+            "--address is empty: give 'auto', 'host:port' or 'ray://host:port', or drop it "
+            "for a private local Ray cluster"
+        )
+    _check_gpus_per_task(launcher, device, getattr(args, "gpus_per_task", None))
     if device == "cuda" and local:
         _check_local_cuda(args)
     _check_communicator(args.job, args.communicator, device if local else None)
@@ -155,6 +174,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--consumers {args.consumers} must be a multiple of --tp-size {args.tp_size} "
             f"(each replica has --tp-size consumers): try --consumers {args.tp_size}"
+        )
+
+
+def _check_gpus_per_task(launcher: str, device: str, gpus: float | None) -> None:
+    if gpus is None:
+        return
+    if launcher != "ray":
+        raise UsageError(
+            "--gpus-per-task reserves GPUs for Ray actors: add --launcher ray, or drop it "
+            "(the mp launcher gives each worker cuda:<local rank>)"
+        )
+    if device == "cuda" and gpus == 0:
+        raise UsageError(
+            "--device cuda with --gpus-per-task 0 leaves the workers without a GPU: "
+            "use --gpus-per-task 1, or --device cpu"
         )
 
 
@@ -239,8 +273,10 @@ def make_launcher(args: argparse.Namespace, n_tasks: int) -> Any:
     cls = registry.get_launcher_class(args.launcher)
     kwargs: dict[str, Any] = {"timeout": args.timeout}
     if args.launcher == "ray":
+        gpus = args.gpus_per_task
+        cuda = getattr(args, "device", "cpu") == "cuda"
         kwargs["address"] = args.address
-        kwargs["num_gpus_per_task"] = 1 if args.device == "cuda" else 0
+        kwargs["num_gpus_per_task"] = (1 if cuda else 0) if gpus is None else gpus
     try:
         return cls(n_tasks, **kwargs)  # type: ignore[call-arg]
     except (ImportError, ValueError, TypeError) as exc:
@@ -315,6 +351,9 @@ def cmd_weight_transfer(args: argparse.Namespace) -> int:
     """A small Llama-shaped model on the producers, TP consumers on the CPU."""
     from vllm_dist.examples.weight_sync_demo import run_demo
 
+    options: dict[str, Any] = {}
+    if args.launcher != "mp":
+        options["launcher"] = make_launcher(args, args.producers + args.consumers)
     with _workers_output(args.json):
         summary = run_demo(
             producers=args.producers,
@@ -323,6 +362,7 @@ def cmd_weight_transfer(args: argparse.Namespace) -> int:
             tp_size=args.tp_size,
             timeout=args.timeout,
             communicator=args.communicator,
+            **options,
         )
     if args.json:
         print(json.dumps(summarize_lists(summary, always=True), indent=2, default=str))
@@ -555,22 +595,8 @@ def _ucx_version() -> str:
 
 
 def _add_backend_args(p: argparse.ArgumentParser, job: str) -> None:
-    launchers = registry.launchers.names()
     comms = registry.communicators.names()
-    p.add_argument(
-        "--launcher",
-        type=_backend_name("launcher"),
-        default="mp",
-        metavar="{" + ",".join(launchers) + "}",
-        help="how workers start: mp (processes on this machine) or ray (Ray actors)",
-    )
-    p.add_argument(
-        "--address",
-        default=None,
-        metavar="ADDR",
-        help="Ray cluster to join with --launcher ray ('auto', 'host:port', 'ray://...'); "
-        "default: RAY_ADDRESS or a running 'ray start', else a private local cluster",
-    )
+    _add_launcher_args(p)
     p.add_argument(
         "--coordinator",
         type=_backend_name("coordinator"),
@@ -593,6 +619,31 @@ def _add_backend_args(p: argparse.ArgumentParser, job: str) -> None:
         help="where the tensors live; cuda: each worker on cuda:<local rank>",
     )
     _add_common_args(p)
+
+
+def _add_launcher_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--launcher",
+        type=_backend_name("launcher"),
+        default="mp",
+        metavar="{" + ",".join(registry.launchers.names()) + "}",
+        help="how workers start: mp (processes on this machine) or ray (Ray actors)",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDR",
+        help="existing Ray cluster to join with --launcher ray: 'auto' (the one RAY_ADDRESS or "
+        "'ray start' names), 'host:port' or 'ray://host:port'; default: a private local cluster",
+    )
+    p.add_argument(
+        "--gpus-per-task",
+        type=_gpus,
+        default=None,
+        metavar="N",
+        help="GPUs Ray reserves for each worker with --launcher ray (fractions allowed); "
+        "default: 1 with --device cuda, else 0",
+    )
 
 
 def _add_common_args(p: argparse.ArgumentParser) -> None:
@@ -683,7 +734,7 @@ def _add_weight_transfer(jobs: Any) -> None:
         description="Producers (trainer ranks) hold a small Llama-shaped model; consumers "
         "(inference workers, --tp-size per replica) load their own shard of it with their own "
         "loaders. The weights change before every sync and every consumer checks every byte. "
-        "Runs on the CPU with the multiprocessing launcher.",
+        "Runs on the CPU, in processes on this machine or in Ray actors (--launcher ray).",
         formatter_class=_Formatter,
     )
     wt.add_argument(
@@ -722,6 +773,7 @@ def _add_weight_transfer(jobs: Any) -> None:
         help="torch_distributed: send/recv over gloo; nixl_rdt: one-sided READs of the "
         "trainer's memory (needs the nixl package), whole syncs replayed from the second on",
     )
+    _add_launcher_args(wt)
     _add_common_args(wt)
     wt.set_defaults(func=cmd_weight_transfer)
 

@@ -5,10 +5,22 @@ nodes), starts one actor in each bundle, asks every actor where it landed (node 
 ids), derives torchrun's variables from that (``MASTER_ADDR`` is rank 0's node, ``MASTER_PORT`` a
 port found free *on that node*, local ranks counted per node), then runs the packed task in every
 actor and waits on all of them at once. The first failed rank or dead actor ends the launch; every
-actor is killed and the placement group removed before ``launch()`` returns or raises.
+actor is killed and the placement group removed before ``launch()`` returns or raises. At a
+timeout, or when every failure is a reaction to a peer, a small actor on each live rank's node
+reads that rank's last coordinator operation and its stacks, so the rank that never arrived is
+named first; every failure names its node. Rejected: asking the actor itself from a second
+concurrency group, which makes Ray run every method, the task too, off the main thread.
 
 The task travels as the bytes ``pack_launch`` makes (our cloudpickle, with dynamic modules by
-value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``.
+value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``; the
+launch secret in ``WorkerInfo`` reaches the actors that way too, never through their environment.
+
+Without ``address=`` the launcher starts a private Ray for this process instead of joining the
+cluster that ``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be
+another user's; with Ray's token authentication on (Ray's default for a new cluster; only tests
+turn it off) the token file it creates is readable by its owner only. What stays Ray's: its GCS
+and raylets listen on every interface, so the token is what keeps other users out; the token
+travels in clear gRPC metadata unless Ray's TLS is on; any process of the same user can read it.
 
 Ray is imported inside methods only: ``from vllm_dist import RayLauncher`` works without Ray, and a
 launcher built without it raises ``BackendUnavailableError`` naming the install command. Rejected
@@ -21,11 +33,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import math
 import os
+import signal
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_dist import serialization
@@ -35,10 +50,16 @@ from vllm_dist.implementations.launchers.common import (
     check_seconds,
     find_free_port,
     launch_retrying_taken_ports,
+    looks_like_consequence,
     mark_causes,
     pack_launch,
     raised_failure,
     run_packed_task,
+)
+from vllm_dist.implementations.launchers.mp import (  # progress records, read as MPLauncher does
+    _describe_record,
+    _lagging,
+    _read_record,
 )
 from vllm_dist.interfaces import (
     BackendUnavailableError,
@@ -49,10 +70,11 @@ from vllm_dist.interfaces import (
     WorkerFailure,
     WorkerInfo,
 )
-from vllm_dist.interfaces.launcher import new_launch_id, new_secret
+from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, new_launch_id, new_secret
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _INLINE_LIMIT = 1 << 20  # packed launches above this go through the object store once
+_REPORT_WAIT = 15.0  # seconds to wait for the ranks' progress reports after a timeout
 
 
 def import_ray() -> Any:
@@ -78,9 +100,11 @@ class RayLauncher(Launcher):
             NCCL P2P). Otherwise each actor keeps Ray's assignment (only its own GPUs).
         num_cpus_per_task: CPUs reserved for each actor.
         placement_strategy: ``PACK`` (default), ``SPREAD``, ``STRICT_PACK`` or ``STRICT_SPREAD``.
-        address: the cluster to join (``"ray://..."``, ``"host:port"``, ``"auto"``). None joins
-            the cluster this process is already connected to, else one found through
-            ``RAY_ADDRESS`` or ``ray start``, else starts a private local one for the launch.
+        address: the existing cluster to join (``"ray://..."``, ``"host:port"``, or ``"auto"``:
+            the one ``RAY_ADDRESS`` or a running ``ray start`` names). None (default) starts a
+            private local cluster for this process, whatever ``RAY_ADDRESS`` or ``ray start``
+            name: on a shared host those can be someone else's. Either way, a Ray this process
+            already initialized (its own ``ray.init``) is used as it is.
         runtime_env: Ray runtime environment of the actors (``{"env_vars": {...}}``, ...).
         timeout: seconds one launch may take in all; None = no limit on the task itself.
         startup_timeout: seconds to reserve the placement group and start the actors; a request
@@ -116,6 +140,11 @@ class RayLauncher(Launcher):
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
                 f"placement_strategy {placement_strategy!r} is not one of {PLACEMENT_STRATEGIES}"
+            )
+        if address is not None and (not isinstance(address, str) or not address.strip()):
+            raise ValueError(
+                f"address must be 'auto', 'host:port' or 'ray://host:port' to join a cluster, "
+                f"or None for a private one; got {address!r}"
             )
         check_seconds("timeout", timeout)
         check_seconds("startup_timeout", startup_timeout, allow_none=False)
@@ -159,12 +188,11 @@ class RayLauncher(Launcher):
         """Make sure this process is connected to Ray; True when this call connected it."""
         if ray.is_initialized():
             return False
-        address = self._address or _running_cluster_address()
-        if address is not None:
-            ray.init(address=address, log_to_driver=True)
+        if self._address is not None:
+            ray.init(address=self._address, log_to_driver=True)
         else:
             needed = math.ceil(self._n_tasks * self._bundle.get("CPU", 0))
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+            start_private_ray(ray, num_cpus=max(os.cpu_count() or 1, needed))
         if self._keep_ray:
             atexit.register(ray.shutdown)  # once per Ray started here; a no-op if already down
         return True
@@ -181,19 +209,30 @@ class RayLauncher(Launcher):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Placement:
-    """Where one actor landed, as it reports it."""
+    """Where one actor landed, as it reports it; ``pid`` and ``files`` (its progress record and
+    stack-dump descriptors, -1 where ``/proc`` is missing) let an actor on its node read them."""
 
     node_ip: str
     node_id: str
     gpu_ids: tuple[str, ...]
     free_port: int | None
+    pid: int = 0
+    files: tuple[int, int] = (-1, -1)
 
 
 class _RankActor:
-    """The actor body: reports its placement, then runs one rank of a packed launch."""
+    """The actor body: reports its placement, then runs one rank of a packed launch.
+
+    The task runs on the actor's main thread (a concurrency group would move it off it). While it
+    runs, its coordinator keeps its last operation in an unlinked file (``PROGRESS_FILE_ENV``)
+    and ``faulthandler`` dumps its stacks into another on SIGUSR1: a ``_Peeker`` the parent
+    starts on the same node after a timeout reads both through ``/proc/<pid>/fd``.
+    """
 
     def __init__(self, rank: int) -> None:
         self._rank = rank
+        self._files: list[Any] = []
+        self._final_record: Any = None
 
     def __repr__(self) -> str:
         return f"rank{self._rank}"  # Ray prefixes the actor's forwarded output with this
@@ -202,16 +241,71 @@ class _RankActor:
         import ray
 
         ip = _node_ip(ray)
+        if os.path.isdir("/proc/self/fd"):  # unlinked files: nothing is left behind, even killed
+            files = [tempfile.TemporaryFile() for _ in range(2)]  # noqa: SIM115 - run closes them
+            self._files = files
         return _Placement(
             node_ip=ip,
             node_id=ray.get_runtime_context().get_node_id(),
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
             free_port=find_free_port(ip) if want_port else None,
+            pid=os.getpid(),
+            files=(self._files[0].fileno(), self._files[1].fileno()) if self._files else (-1, -1),
         )
 
     def run(self, packed: bytes, info: WorkerInfo, env: Mapping[str, str]) -> WorkerOutcome:
         os.environ.update(env)
-        return run_packed_task(packed, info)
+        if not self._files:
+            return run_packed_task(packed, info)
+        progress, stacks = self._files
+        os.environ[PROGRESS_FILE_ENV] = f"/proc/self/fd/{progress.fileno()}"
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        try:
+            return run_packed_task(packed, info)
+        finally:
+            faulthandler.unregister(signal.SIGUSR1)
+            self._final_record = _read_record(f"/proc/self/fd/{progress.fileno()}")
+            for f in self._files:
+                f.close()
+            self._files = []
+
+    def report(self) -> Any:
+        """This rank's last coordinator record, once its task has returned or raised."""
+        return self._final_record
+
+
+class _Peeker:
+    """A throwaway actor on one node that reads its live ranks' reports; an actor and not a task
+    so that killing it ends its process (a task's worker would stay in Ray's pool)."""
+
+    def peek(self, targets: list[tuple[int, tuple[int, int]]], wait: float) -> list[Any]:
+        """``(last coordinator record, stacks)`` of each ``(pid, files)`` of ``targets``."""
+        paths = [tuple(f"/proc/{pid}/fd/{fd}" for fd in files) for pid, files in targets]
+        records = [_read_record(progress) for progress, _ in paths]
+        asked = []
+        for (pid, _), (_, stacks) in zip(targets, paths, strict=True):
+            try:
+                os.truncate(stacks, 0)
+                os.kill(pid, signal.SIGUSR1)  # faulthandler in the rank writes its stacks
+                asked.append(stacks)
+            except OSError:  # gone, or /proc closed to us: the record alone
+                asked.append("")
+        texts = ["" for _ in targets]
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = [_read_text(path) if path else "" for path in asked]
+            done = all(a == b for a, b in zip(now, texts, strict=True))
+            texts = now
+            if done and all(t or not path for t, path in zip(texts, asked, strict=True)):
+                break  # each dump is written in one go: two equal reads, it has ended
+        return list(zip(records, texts, strict=True))
+
+
+def _read_text(path: str) -> str:
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return f.read()
+    return ""
 
 
 class _Run:
@@ -226,6 +320,8 @@ class _Run:
         self._startup_deadline = started + self._startup_limit
         self._pg: Any = None
         self._actors: list[Any] = []
+        self._placements: list[_Placement] = []
+        self._nodes: list[str] = []  # per rank, once placed: the node named in its failures
 
     def execute(self, packed: bytes) -> list[Any]:
         self._reserve()
@@ -281,7 +377,13 @@ class _Run:
             self._actors.append(actor_cls.options(**options).remote(rank))
         refs = [a.placement.remote(rank == 0) for rank, a in enumerate(self._actors)]
         placements = self._gather(refs, self._startup_deadline, "start", lambda _r, _v: None)
-        return worker_infos(placements), _visible_devices(placements, launcher._bundle)
+        infos = worker_infos(placements)
+        self._placements = placements
+        self._nodes = [
+            f"node {i.node_rank} ({p.node_ip}, id {p.node_id[:8]})"
+            for i, p in zip(infos, placements, strict=True)
+        ]
+        return infos, _visible_devices(placements, launcher._bundle)
 
     def _gather(
         self,
@@ -303,6 +405,8 @@ class _Run:
                 time.sleep(0.05)  # ranks failing at about the same time are reported too
                 more, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
                 failures += self._take(more, pending, values, check)
+                if phase == "run" and all(looks_like_consequence(f) for f in failures):
+                    failures = self._with_hung(failures, sorted(pending.values()))
                 raise LaunchError(mark_causes(failures))
         return [values[r] for r in range(len(refs))]
 
@@ -325,16 +429,91 @@ class _Run:
             if failure is not None:
                 failures.append(failure)
             values[rank] = value
-        return failures
+        return [self._on_node(f) for f in failures]
+
+    def _on_node(self, failure: WorkerFailure) -> WorkerFailure:
+        """``failure`` with the node its rank ran on, once the actors have reported it."""
+        if failure.rank >= len(self._nodes):
+            return failure
+        return replace(failure, reason=f"{failure.reason} [on {self._nodes[failure.rank]}]")
 
     def _timeout_error(self, stuck: list[int], phase: str) -> LaunchTimeoutError:
-        limit = f"{self._run_limit if phase == 'run' else self._startup_limit:g} s"
-        what = "had not finished" if phase == "run" else "had not started"
-        failures = [WorkerFailure(rank=r, reason=f"{what} after {limit}") for r in stuck]
+        if phase == "run":
+            failures = mark_causes(self._with_hung([], stuck))
+            blamed = [f.rank for f in failures if f.cause]
+            return LaunchTimeoutError(
+                failures,
+                summary=f"launch timed out after {self._run_limit:g} s; rank(s) {stuck} had "
+                f"not finished and were stopped; rank(s) {blamed} lag behind the others "
+                "(listed first, with what they did last and their stacks)",
+            )
+        limit = f"{self._startup_limit:g} s"
+        failures = [
+            self._on_node(WorkerFailure(rank=r, reason=f"had not started after {limit}"))
+            for r in stuck
+        ]
         return LaunchTimeoutError(
             failures,
-            summary=f"launch timed out after {limit}; rank(s) {stuck} {what} and were stopped",
+            summary=f"launch timed out after {limit}; rank(s) {stuck} had not started and "
+            "were stopped",
         )
+
+    def _with_hung(self, failures: list[WorkerFailure], live: list[int]) -> list[WorkerFailure]:
+        """``failures`` with their last coordinator operation, plus one ``hung`` failure per
+        rank of ``live`` (still running) with its last operation and stacks; the ranks that lag
+        behind where the others wait are marked as the cause."""
+        reports = self._reports([f.rank for f in failures], live)
+        records = {r: record for r, (record, _) in reports.items()}
+        lagging = set(_lagging(records, live)) or set(live)
+        now = time.time()
+        hung = []
+        for r in live:
+            stacks = reports.get(r, (None, ""))[1]
+            failure = WorkerFailure(
+                rank=r,
+                reason="still running (stopped by the launcher)",
+                traceback=f"stacks of rank {r}:\n{stacks}" if stacks else "",
+                kind="hung",
+                at=now,
+                cause=r in lagging,
+                last_op=_describe_record(records.get(r)),
+            )
+            hung.append(self._on_node(failure))
+        done = [replace(f, last_op=_describe_record(records.get(f.rank))) for f in failures]
+        return done + hung
+
+    def _reports(self, done: list[int], live: list[int]) -> dict[int, tuple[Any, str]]:
+        """``(last coordinator record, stacks)`` per rank: the finished ranks' actors answer
+        themselves, a ``_Peeker`` on its node answers for a live one; none for the dead."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        refs = {self._actors[r].report.remote(): [r] for r in done}
+        by_node: dict[str, list[int]] = {}
+        for r in live:
+            if min(self._placements[r].files) >= 0:
+                by_node.setdefault(self._placements[r].node_id, []).append(r)
+        peekers = []
+        for node, ranks in by_node.items():
+            where = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            peeker = self._ray.remote(_Peeker).options(num_cpus=0, scheduling_strategy=where)
+            peekers.append(peeker.remote())
+            targets = [(self._placements[r].pid, self._placements[r].files) for r in ranks]
+            refs[peekers[-1].peek.remote(targets, 2.0)] = ranks
+        try:
+            ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=_REPORT_WAIT)
+        finally:
+            for peeker in peekers:
+                with contextlib.suppress(Exception):
+                    self._ray.kill(peeker, no_restart=True)
+        out: dict[int, tuple[Any, str]] = {}
+        for ref in ready:
+            with contextlib.suppress(Exception):  # a dead actor has nothing to report
+                value = self._ray.get(ref, timeout=0)
+                if refs[ref][0] in live:
+                    out.update(zip(refs[ref], value, strict=True))
+                else:
+                    out[refs[ref][0]] = (value, "")
+        return out
 
     def stop(self) -> None:
         """Kill every actor and remove the placement group (both are idempotent)."""
@@ -428,16 +607,50 @@ def _alive_nodes(ray: Any) -> list[dict[str, float]]:
     return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
 
 
-def _running_cluster_address() -> str | None:
-    """The address of a cluster found through ``RAY_ADDRESS`` or ``ray start``, else None."""
+def start_private_ray(ray: Any, *, num_cpus: int) -> None:
+    """Start a Ray cluster for this process alone, on this machine.
+
+    ``address="local"`` makes Ray start one even where ``RAY_ADDRESS`` or a running ``ray start``
+    names another cluster (Ray reads those only for ``None`` and ``"auto"``).
+    """
+    _owner_only_auth_token()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    _restrict_default_token()  # in case Ray's token set-up changed shape and wrote it itself
+
+
+def _owner_only_auth_token() -> None:
+    """Have Ray create its auth token, when the new cluster will use one, readable only by us.
+
+    Ray writes ``~/.ray/auth_token`` with the process umask (0644 under the usual 022), so that
+    every user of the host could join the cluster; the umask is 077 only for that one write. A
+    token given through ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH`` is the user's to protect,
+    and ``RAY_AUTH_MODE=disabled`` (which only tests should set) is respected.
+    """
     try:
-        from ray._private.services import canonicalize_bootstrap_address
-    except ImportError:  # a Ray without this helper: start a private cluster
-        return None
+        from ray._private.authentication import authentication_token_setup as setup
+    except ImportError:  # a Ray without token authentication
+        return
     try:
-        return canonicalize_bootstrap_address(None)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - nothing usable is running
-        return None
+        if not setup.enable_token_auth_by_default():  # what ray.init does first for a new cluster
+            return
+        _restrict_default_token()  # a token left by an earlier Ray
+        old = os.umask(0o077)
+        try:
+            setup.ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+        finally:
+            os.umask(old)
+    except (AttributeError, TypeError):  # Ray's private set-up moved: chmod after ray.init
+        return
+
+
+def _restrict_default_token() -> None:
+    """Make Ray's default token file (``~/.ray/auth_token``) readable by its owner only."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, 0o600)
 
 
 def _outcome_failure(rank: int, outcome: WorkerOutcome) -> WorkerFailure | None:
