@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep the local Ray on loopback
 
 from vllm_dist import DistributedTask, MPLauncher  # noqa: E402
@@ -147,7 +146,13 @@ def run_ray(repeats: int) -> dict[str, list[float]]:
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths have a length limit
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+    )
     try:
         return measure(
             {

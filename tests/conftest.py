@@ -55,6 +55,7 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     if len(temp_dir) > _MAX_RAY_TEMP_LEN:
         temp_dir = short = tempfile.mkdtemp(prefix="ray")
     ray.init(
+        address="local",  # a private cluster, whatever RAY_ADDRESS says
         num_cpus=RAY_NUM_CPUS,
         include_dashboard=False,
         _temp_dir=temp_dir,

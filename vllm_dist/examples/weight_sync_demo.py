@@ -24,6 +24,7 @@ from vllm_dist.examples.llama_tp import (
     tiny_llama_config,
     tiny_llama_shapes,
 )
+from vllm_dist.interfaces import Launcher
 from vllm_dist.memory import shared_empty
 from vllm_dist.tasks.weight_transfer import (
     ConsumerSpec,
@@ -134,6 +135,7 @@ def run_demo(
     config: TransferConfig | None = None,
     timeout: float = 300.0,
     communicator: str = "torch_distributed",
+    launcher: Launcher | None = None,
     **launcher_kwargs: Any,
 ) -> dict[str, Any]:
     """Launch a demo fleet on this machine (CPU) and summarise it.
@@ -142,7 +144,8 @@ def run_demo(
     READs of the trainer's weights in a shared-memory arena; from the second sync on, whole
     syncs are replayed). Returns ``{"producers",
     "consumers", "syncs", "bytes_per_sync", "seconds_per_sync", "replayed", "gb_per_s",
-    "setup_seconds", "verified", "path"}``; bytes are what consumers received.
+    "setup_seconds", "verified", "path"}``; bytes are what consumers received. ``launcher``:
+    one of ``producers + consumers`` workers to run it on (default: an ``MPLauncher``).
     """
     from vllm_dist import CommunicatorType, CoordinatorType, MPLauncher
 
@@ -152,7 +155,13 @@ def run_demo(
     if config is None and comm == CommunicatorType.NIXL_RDT:  # a ring deep enough to replay
         config = TransferConfig(workers_per_replica=tp_size, ring_slots=64, direct_bytes=4096)
     config = config or TransferConfig(workers_per_replica=tp_size)
-    launcher = MPLauncher(producers + consumers, timeout=timeout, **launcher_kwargs)
+    if launcher is None:
+        launcher = MPLauncher(producers + consumers, timeout=timeout, **launcher_kwargs)
+    elif launcher.n_tasks != producers + consumers:
+        raise ValueError(
+            f"the launcher starts {launcher.n_tasks} workers but the fleet has "
+            f"{producers} producers + {consumers} consumers"
+        )
     start = time.perf_counter()
     results = launcher.launch(
         task_type=LlamaTransferTask,
