@@ -54,18 +54,22 @@ class SignedObjects:
         self._received: dict[int, int] = {}
 
     # -- tags ------------------------------------------------------------------------------------
-    def _tag(self, op: str, sender: int, receiver: int, count: int, payload: bytes) -> bytes:
+    def _tag(self, op: str, sender: int, receiver: int, count: int, payload: memoryview) -> bytes:
         head = b"|".join(
             [self._scope, op.encode(), str(self._ranks[sender]).encode(), str(receiver).encode()]
         )
         head += b"|" + str(count).encode() + b"|"
-        return hmac.new(self._key, head + payload, hashlib.sha256).digest()
+        mac = hmac.new(self._key, head, hashlib.sha256)
+        mac.update(payload)  # no copy of the payload
+        return mac.digest()
 
-    def _seal(self, obj: Any, op: str, receiver: int, count: int) -> bytes:
-        payload = pickle.dumps(obj)
-        return payload + self._tag(op, self._rank, receiver, count, payload)
+    def _seal(self, obj: Any, op: str, receiver: int, count: int) -> bytearray:
+        """``obj`` pickled, its tag appended: the one buffer that goes on the wire."""
+        data = bytearray(pickle.dumps(obj))
+        data += self._tag(op, self._rank, receiver, count, memoryview(data))
+        return data
 
-    def _open(self, data: bytes, op: str, sender: int, receiver: int, count: int) -> Any:
+    def _open(self, data: memoryview, op: str, sender: int, receiver: int, count: int) -> Any:
         payload, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
         good = len(data) >= TAG_BYTES and hmac.compare_digest(
             tag, self._tag(op, sender, receiver, count, payload)
@@ -83,7 +87,7 @@ class SignedObjects:
     def broadcast(self, obj: Any, src: int) -> Any:
         """``obj`` from group rank ``src`` on every member."""
         count = self._collectives = self._collectives + 1
-        data = self._seal(obj, "broadcast", -1, count) if self._rank == src else b""
+        data = self._seal(obj, "broadcast", -1, count) if self._rank == src else bytearray()
         size = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(size, group_src=src, group=self._group)
         buf = _as_tensor(data) if data else torch.empty(int(size.item()), dtype=torch.uint8)
@@ -109,7 +113,7 @@ class SignedObjects:
         for r in range(world):
             got = _as_bytes(bufs[r][: int(sizes[r].item())])
             if r == self._rank:
-                out.append(pickle.loads(data[:-TAG_BYTES]))  # noqa: S301 - our own bytes
+                out.append(pickle.loads(memoryview(data)[:-TAG_BYTES]))  # noqa: S301 - our own
             else:
                 out.append(self._open(got, "all_gather", r, -1, count))
         return out
@@ -133,9 +137,9 @@ class SignedObjects:
         return obj
 
 
-def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def _as_tensor(data: bytearray) -> torch.Tensor:
+    return torch.frombuffer(data, dtype=torch.uint8)  # shares the buffer
 
 
-def _as_bytes(t: torch.Tensor) -> bytes:
-    return t.numpy().tobytes()
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy().data)  # shares the tensor's memory
