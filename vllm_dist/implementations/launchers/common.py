@@ -435,9 +435,8 @@ def tries_failed(errors: Sequence[LaunchError], max_restarts: int) -> LaunchErro
     last = errors[-1]
     if len(errors) == 1:
         return last
-    earlier = "; ".join(f"try {i}: {one_line(e)}" for i, e in enumerate(errors[:-1], 1))
-    summary = (
-        f"launch failed on all {len(errors)} tries (max_restarts={max_restarts}); {earlier}; "
-        f"try {len(errors)} (below): {str(last).splitlines()[0]}"
-    )
+    lines = [f"launch failed on all {len(errors)} tries (max_restarts={max_restarts}):"]
+    lines += [f"  try {i}: {one_line(e)}" for i, e in enumerate(errors[:-1], 1)]
+    lines.append(f"  try {len(errors)} (below): {str(last).splitlines()[0]}")
+    summary = "\n".join(lines)
     return type(last)(last.failures, summary=summary, earlier_tries=errors[:-1])
