@@ -10,12 +10,13 @@ import json
 import logging
 import os
 import textwrap
+import time
 from typing import Any
 
 import pytest
 
 from tests.utils import distributed_test
-from vllm_dist import DistributedTask, LaunchError, MPLauncher
+from vllm_dist import DistributedTask, LaunchError, LaunchTimeoutError, MPLauncher, WorkerInfo
 from vllm_dist.implementations.launchers.common import guarded_line
 from vllm_dist.log import LOG_LEVEL_ENV, configure, get_logger, log_level
 
@@ -24,7 +25,7 @@ class Talks(DistributedTask):
     """Writes a line to stdout and to stderr, logs a warning and a debug record; rank ``bad``
     raises on every try before ``ok_from`` (never, by default)."""
 
-    def run(self, *, bad: int = -1, ok_from: int = 1 << 30) -> int:
+    def run(self, *, bad: int = -1, ok_from: int = 1 << 30, hang: bool = False) -> int:
         rank, tries = self.worker_info.rank, self.worker_info.restart_count
         print(f"out of rank {rank}", flush=True)
         os.write(2, f"err of rank {rank}\n".encode())
@@ -32,6 +33,8 @@ class Talks(DistributedTask):
         log.warning("careful from rank %d", rank)
         log.debug("detail from rank %d", rank)
         if rank == bad and tries < ok_from:
+            if hang:
+                time.sleep(600)
             raise RuntimeError(f"rank {rank} fails on try {tries}")
         return tries
 
@@ -120,6 +123,7 @@ class Records(DistributedTask):
 
     def run(self, *, folder: str, mode: str) -> int:
         info = self.worker_info
+        assert WorkerInfo.from_env().restart_count == info.restart_count
         with open(os.path.join(folder, f"rank{info.rank}"), "a") as f:
             f.write(f"{info.restart_count} {info.launch_id} {info.master_port}\n")
         if info.restart_count == 0 and info.rank == 1:
@@ -139,6 +143,20 @@ def test_a_launch_that_fails_once_is_restarted_as_a_whole(tmp_path, mode: str) -
         tries = [line.split() for line in _read(str(tmp_path / f"rank{rank}")).splitlines()]
         assert [t[0] for t in tries] == ["0", "1"]  # rank 0 ran again too: the group restarts
         assert tries[0][1] != tries[1][1]  # a fresh launch id (and secret) for each try
+
+
+class HangsOnce(DistributedTask):
+    def run(self) -> int:
+        if self.worker_info.restart_count == 0 and self.worker_info.rank == 0:
+            time.sleep(600)
+        return self.worker_info.restart_count
+
+
+@distributed_test(timeout=180)
+def test_a_hung_try_is_stopped_at_its_timeout_and_started_again() -> None:
+    assert MPLauncher(2, timeout=30, max_restarts=1).launch(task_type=HangsOnce) == [1, 1]
+    with pytest.raises(LaunchTimeoutError, match="all 2 tries"):  # the last try's error type
+        MPLauncher(2, timeout=5, max_restarts=1).launch(task_type=Talks, bad=0, hang=True)
 
 
 @distributed_test(timeout=180)

@@ -373,8 +373,8 @@ def unguarded_launch_error(start_method: str) -> RuntimeError | None:
         frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"
     ):
         frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return None
+    if frame is None or os.path.abspath(frame.f_code.co_filename) != os.path.abspath(path):
+        return None  # not the script's own code (exec of other text): nothing to read
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())

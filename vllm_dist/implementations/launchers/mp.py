@@ -71,6 +71,7 @@ from vllm_dist.interfaces import (
 from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, new_launch_id, new_secret
 
 _PR_SET_PDEATHSIG = 1
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 logger = log.get_logger(__name__)
 
 
@@ -296,7 +297,11 @@ class _Run:
             out_r, out_w = ctx.Pipe(duplex=False)
             err_r, err_w = ctx.Pipe(duplex=False)
             sinks = {s: self._sinks(info.rank, s) for s in output.STREAMS}
-        env = {**self._launcher._env, PROGRESS_FILE_ENV: self._file(info.rank, "progress")}
+        env = {
+            **self._launcher._env,
+            PROGRESS_FILE_ENV: self._file(info.rank, "progress"),
+            RESTART_COUNT_ENV: str(info.restart_count),  # torchrun's, read by WorkerInfo.from_env
+        }
         files = _WorkerFiles(stacks=self._file(info.rank, "stacks"))
         proc = ctx.Process(  # type: ignore[attr-defined]
             target=_worker_main,
