@@ -142,11 +142,16 @@ class MPLauncher(Launcher):
             prefix=bool(prefix_output),
         )
         log.log_level({**os.environ, **self._env})  # a bad VLLM_DIST_LOG_LEVEL fails here
-        self.last_run_dir: str | None = None  # the log folder of the last launch, with log_dir
+        self._last_run_dir: str | None = None
 
     @property
     def n_tasks(self) -> int:
         return self._n_tasks
+
+    @property
+    def last_run_dir(self) -> str | None:
+        """The folder under ``log_dir`` where the last launch wrote its logs (None: none yet)."""
+        return self._last_run_dir
 
     def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
         guard = spawn_guard_error() or unguarded_launch_error(self._ctx.get_start_method())
@@ -157,7 +162,7 @@ class MPLauncher(Launcher):
         log.configure()
         run_dir = None
         if self._output.log_dir is not None:
-            run_dir = self.last_run_dir = output.new_run_dir(self._output.log_dir)
+            run_dir = self._last_run_dir = output.new_run_dir(self._output.log_dir)
         errors: list[LaunchError] = []
         for attempt in range(self._max_restarts + 1):
             try:
@@ -220,7 +225,8 @@ class _Run:
         self._launcher = launcher
         self._attempt = attempt
         self._run_dir = run_dir
-        # the timeout counts from launch(): a launch again on a fresh port does not restart it
+        # the timeout counts from the try's start: a launch again on a fresh port (a taken one)
+        # does not restart it, a restart (max_restarts) does
         self._deadline = None if launcher._timeout is None else started + launcher._timeout
         self._packed = packed
         self._port = port
