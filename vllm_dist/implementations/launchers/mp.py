@@ -163,6 +163,7 @@ class MPLauncher(Launcher):
         run_dir = None
         if self._output.log_dir is not None:
             run_dir = self._last_run_dir = output.new_run_dir(self._output.log_dir)
+            logger.info("per-rank logs of this launch go to %s", run_dir)
         errors: list[LaunchError] = []
         for attempt in range(self._max_restarts + 1):
             try:
