@@ -119,7 +119,8 @@ def test_an_unwritable_log_dir_is_refused(tmp_path) -> None:
 
 # -- restarts ------------------------------------------------------------------------------------
 class Records(DistributedTask):
-    """Appends its try and launch id to a file, then fails on try 0 (raise or exit)."""
+    """Appends its try and launch id to a file; rank 1 fails on try 0 (raise or exit) once
+    rank 0 has written its line."""
 
     def run(self, *, folder: str, mode: str) -> int:
         info = self.worker_info
@@ -127,10 +128,17 @@ class Records(DistributedTask):
         with open(os.path.join(folder, f"rank{info.rank}"), "a") as f:
             f.write(f"{info.restart_count} {info.launch_id} {info.master_port}\n")
         if info.restart_count == 0 and info.rank == 1:
+            _wait_for_file(os.path.join(folder, "rank0"))  # rank 0 has run try 0 as well
             if mode == "exit":
                 os._exit(3)
             raise RuntimeError("first try fails")
         return info.restart_count
+
+
+def _wait_for_file(path: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @distributed_test(timeout=120)
