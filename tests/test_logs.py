@@ -9,6 +9,8 @@ import ast
 import json
 import logging
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from typing import Any
@@ -18,7 +20,7 @@ import pytest
 from tests.utils import distributed_test
 from vllm_dist import DistributedTask, LaunchError, LaunchTimeoutError, MPLauncher, WorkerInfo
 from vllm_dist.implementations.launchers.common import guarded_line
-from vllm_dist.log import LOG_LEVEL_ENV, configure, get_logger, log_level
+from vllm_dist.log import LOG_LEVEL_ENV, get_logger, log_level
 
 
 class Talks(DistributedTask):
@@ -221,11 +223,23 @@ def test_a_bad_log_level_is_refused_by_name() -> None:
     assert log_level({}) is None and log_level({LOG_LEVEL_ENV: " Info "}) == logging.INFO
 
 
-@pytest.mark.forked  # sets the parent's environment
-def test_a_bad_log_level_in_the_parents_environment_is_refused(monkeypatch) -> None:
-    monkeypatch.setenv(LOG_LEVEL_ENV, "7")
-    with pytest.raises(ValueError, match=LOG_LEVEL_ENV):
-        MPLauncher(2)
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (it changes process-wide state: environment, logging)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, "PYTHONPATH": path, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_bad_log_level_in_the_parents_environment_is_refused() -> None:
+    proc = _python("from vllm_dist import MPLauncher; MPLauncher(2)", **{LOG_LEVEL_ENV: "7"})
+    assert proc.returncode == 1
+    assert f"ValueError: {LOG_LEVEL_ENV}='7' is not a log level" in proc.stderr, proc.stderr
 
 
 def test_loggers_live_under_one_hierarchy() -> None:
@@ -235,24 +249,28 @@ def test_loggers_live_under_one_hierarchy() -> None:
     assert get_logger("vllm_distx").name == "vllm_dist.vllm_distx"
 
 
-@pytest.mark.forked  # configures logging in this process
-def test_configure_leaves_the_root_logger_alone_and_yields_to_its_handlers(capsys) -> None:
+_CONFIGURE = """
+    import logging
+    from vllm_dist.log import configure, get_logger
+
     root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)  # forked: the session's own handlers are untouched
-    before = (root.level, list(root.handlers))
-    configure(rank=3, environ={LOG_LEVEL_ENV: "INFO"})
-    configure(rank=3, environ={LOG_LEVEL_ENV: "INFO"})
-    assert (root.level, list(root.handlers)) == before
+    configure(rank=3)
+    configure(rank=3)
+    assert root.level == logging.WARNING and root.handlers == [], (root.level, root.handlers)
     assert len(logging.getLogger("vllm_dist").handlers) == 1  # once, however often called
     get_logger("vllm_dist.t").info("shown by ours")
-    assert "[rank3]:INFO" in capsys.readouterr().err
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    root.addHandler(handler)  # the application configured logging: its handler shows our records
+    logging.basicConfig(format="app: %(message)s")  # the application configures logging
     get_logger("vllm_dist.t").info("shown by the application")
-    assert seen == ["shown by the application"] and not capsys.readouterr().err
+"""
+
+
+def test_configure_leaves_the_root_logger_alone_and_yields_to_its_handlers() -> None:
+    proc = _python(_CONFIGURE, **{LOG_LEVEL_ENV: "INFO"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2, proc.stderr
+    assert lines[0].startswith("[rank3]:INFO") and lines[0].endswith("t: shown by ours")
+    assert lines[1] == "app: shown by the application"  # once, by the application's handler
 
 
 # -- a script without the main guard -------------------------------------------------------------
