@@ -290,3 +290,6 @@ def test_a_script_without_the_main_guard_is_told_so(tmp_path) -> None:
     assert proc.returncode != 0
     assert 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
     assert "bootstrapping phase" not in proc.stderr, proc.stderr[-3000:]
+    # found in the parent before any worker started: one short traceback, one sentence
+    assert "launch() runs at the top level of unguarded.py (line 8)" in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) < 10 and "[rank" not in proc.stderr, proc.stderr

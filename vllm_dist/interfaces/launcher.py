@@ -115,7 +115,8 @@ class WorkerFailure:
     connection, a collective that timed out waiting for it). ``last_op``: the coordinator
     operation the rank entered last, when the launcher knows it. ``port_taken``: the worker ended
     on ``RendezvousPortTakenError`` for the launch's own rendezvous port, so launching again on
-    another port helps.
+    another port helps. ``log_files``: where the launcher wrote this rank's output and its error
+    file, when it was asked to (``MPLauncher(log_dir=...)``).
     """
 
     rank: int
@@ -128,6 +129,7 @@ class WorkerFailure:
     at: float = 0.0
     cause: bool = True
     last_op: str = ""
+    log_files: tuple[str, ...] = ()
 
 
 class LaunchError(RuntimeError):
@@ -137,10 +139,18 @@ class LaunchError(RuntimeError):
         failures: one ``WorkerFailure`` per failed rank, causes first (the first rank to fail
             first), then the consequences, each group in the order the failures happened.
         ranks: the failed ranks, in rank order.
+        earlier_tries: the errors of the tries before this one, oldest first, when the launcher
+            restarted the launch (``MPLauncher(max_restarts=...)``); empty otherwise.
     """
 
-    def __init__(self, failures: Sequence[WorkerFailure], summary: str = "") -> None:
+    def __init__(
+        self,
+        failures: Sequence[WorkerFailure],
+        summary: str = "",
+        earlier_tries: Sequence[LaunchError] = (),
+    ) -> None:
         self.failures = sorted(failures, key=lambda f: (not f.cause, f.at, f.rank))
+        self.earlier_tries = list(earlier_tries)
         causes = [f.rank for f in self.failures if f.cause]
         head = summary or f"launch failed on rank(s) {self.ranks}"
         if summary == "" and causes and len(causes) < len(self.failures):
@@ -154,6 +164,8 @@ class LaunchError(RuntimeError):
                 after = after or f" (after rank {causes[0]} failed)"
             last = f" [last coordinator operation: {f.last_op}]" if f.last_op else ""
             parts.append(f"--- rank {f.rank}{after}: {f.reason}{last}")
+            if f.log_files:
+                parts.append(f"    logs: {', '.join(f.log_files)}")
             if f.traceback:
                 parts.append(f.traceback.rstrip())
         super().__init__("\n".join(parts))

@@ -5,19 +5,20 @@ Launchers call these plain functions; there is no launcher base class with share
 
 from __future__ import annotations
 
-import logging
+import ast
 import math
 import os
 import random
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from vllm_dist import registry, serialization
+from vllm_dist import log, registry, serialization
 from vllm_dist.interfaces import (
     DistributedTask,
     LaunchError,
@@ -27,7 +28,7 @@ from vllm_dist.interfaces import (
 )
 
 T = TypeVar("T")
-logger = logging.getLogger(__name__)
+logger = log.get_logger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,11 +49,24 @@ def pack_launch(task_type: type[DistributedTask], kwargs: dict[str, Any]) -> byt
     return serialization.dumps((task_type, kwargs, registry.snapshot()))
 
 
-def run_packed_task(packed: bytes, info: WorkerInfo) -> WorkerOutcome:
-    """Run one rank of a packed launch in this process; never raises."""
+def run_packed_task(packed: bytes, info: WorkerInfo, *, rank_prefix: bool = False) -> WorkerOutcome:
+    """Run one rank of a packed launch in this process; never raises.
+
+    Configures the ``vllm_dist`` logger first (``vllm_dist.log.configure``); ``rank_prefix``
+    puts the rank before each record, for a launcher whose output nobody prefixes.
+    """
     os.environ.update(info.env())
     try:
+        log.configure(rank=info.rank if rank_prefix else None)
         task_type, kwargs, snap = serialization.loads(packed)
+        logger.debug(
+            "rank %d of %d (try %d of launch %s): running %s",
+            info.rank,
+            info.world_size,
+            info.restart_count,
+            info.launch_id or "-",
+            getattr(task_type, "__qualname__", task_type),
+        )
         registry.restore(snap)
         result = task_type(info).run(**kwargs)
         return WorkerOutcome(ok=True, payload=serialization.dumps(result))
@@ -333,3 +347,96 @@ def spawn_guard_error() -> SystemExit | None:
         'launches under `if __name__ == "__main__":` (the spawn start method imports the '
         "script again in every worker)"
     )
+
+
+def unguarded_launch_error(start_method: str) -> RuntimeError | None:
+    """The error for a launch called from the top level of a script without the
+    ``if __name__ == "__main__":`` guard, found in the parent before any worker starts.
+
+    With spawn or forkserver every worker imports the main script again (as multiprocessing's
+    ``prepare`` does) and would launch again. Looks for the main module's frame on the stack and
+    reads the script with ``ast``: a statement at the top level, not inside any ``if``, is
+    unguarded. Anything it cannot read (no script, an ``if`` of another kind) is let through;
+    a worker that reaches a launch is still stopped by ``spawn_guard_error``.
+    """
+    if start_method == "fork":
+        return None
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    path = getattr(main, "__file__", None)
+    if spec_name is not None and (spec_name == "__main__" or spec_name.endswith(".__main__")):
+        return None  # ``python -m pkg``: multiprocessing does not run pkg/__main__.py again
+    if not isinstance(path, str) or os.path.splitext(os.path.basename(path))[0] == "ipython":
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None or os.path.abspath(frame.f_code.co_filename) != os.path.abspath(path):
+        return None  # not the script's own code (exec of other text): nothing to read
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if guarded_line(tree, frame.f_lineno):
+        return None
+    return RuntimeError(
+        f"launch() runs at the top level of {os.path.basename(path)} (line {frame.f_lineno}), "
+        "which every worker imports again: put the code that launches under `if __name__ == "
+        '"__main__":` (the spawn start method imports the script again in every worker)'
+    )
+
+
+def guarded_line(tree: ast.Module, line: int) -> bool:
+    """Whether top-level code at ``line`` sits inside an ``if`` (or ``match``), or is not found."""
+    node: ast.AST = tree
+    while True:
+        inner = [
+            child
+            for child in ast.iter_child_nodes(node)
+            if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case))
+            and getattr(child, "lineno", line + 1) <= line <= (getattr(child, "end_lineno", 0) or 0)
+        ]
+        if not inner:
+            return node is tree  # a line no statement holds: the source changed; let it through
+        node = inner[0]
+        if isinstance(node, (ast.If, ast.Match)):
+            return True
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return True  # its body runs when called; only a decorator line would run now
+
+
+# -- restarts ------------------------------------------------------------------------------------
+def check_max_restarts(value: Any) -> int:
+    """``max_restarts``: an int >= 0 (a bool is not a count)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(
+            f"max_restarts must be an int >= 0 (how many times a failed launch starts again), "
+            f"got {value!r}"
+        )
+    return value
+
+
+def one_line(error: LaunchError) -> str:
+    """A failed try in one line: the first rank to fail, how, and its error's last line."""
+    first = error.first
+    if first is None:
+        return str(error).splitlines()[0]
+    last = first.traceback.strip().splitlines()[-1:] or [""]
+    return f"rank {first.rank} {first.reason}" + (f" ({last[0]})" if last[0] else "")
+
+
+def tries_failed(errors: Sequence[LaunchError], max_restarts: int) -> LaunchError:
+    """The error of a launch whose every try failed: the last try's failures (and error type),
+    a summary that counts the tries and gives each earlier one in a line, and
+    ``earlier_tries``. One try only: its own error, unchanged."""
+    last = errors[-1]
+    if len(errors) == 1:
+        return last
+    lines = [f"launch failed on all {len(errors)} tries (max_restarts={max_restarts}):"]
+    lines += [f"  try {i}: {one_line(e)}" for i, e in enumerate(errors[:-1], 1)]
+    lines.append(f"  try {len(errors)} (below): {str(last).splitlines()[0]}")
+    summary = "\n".join(lines)
+    return type(last)(last.failures, summary=summary, earlier_tries=errors[:-1])

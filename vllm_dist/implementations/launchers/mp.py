@@ -5,9 +5,11 @@ anything it started), ``PR_SET_PDEATHSIG`` (so it dies with the parent, SIGKILL 
 forked watcher that kills the worker's process group once the worker is gone (so what the worker
 started dies with it, whoever killed it), a ``faulthandler`` stack dump on SIGUSR1 (read when a
 launch times out), a file its coordinator records its last operation in, and its
-stdout / stderr on pipes that the parent reads and prefixes with ``[rank N]:``. The parent waits on
-result pipes and process sentinels together, so a failed or vanished rank is seen at once and the
-others are stopped without waiting for a collective timeout. Rejected alternative: torch's
+stdout / stderr on pipes that the parent reads, prefixes with ``[rankN]:`` and writes to the
+console and, when asked, to per-rank log files (``output.py``). The parent waits on result pipes
+and process sentinels together, so a failed or vanished rank is seen at once and the others are
+stopped without waiting for a collective timeout. A failed launch starts again as a whole, up to
+``max_restarts`` times, as torchelastic restarts its worker group. Rejected alternative: torch's
 ``start_processes``, which re-raises only the first failure and owns the log redirection.
 """
 
@@ -23,7 +25,6 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import re
-import selectors
 import shutil
 import signal
 import sys
@@ -31,15 +32,17 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import IO, Any
+from typing import Any
 
-from vllm_dist import serialization
+from vllm_dist import log, serialization
+from vllm_dist.implementations.launchers import output
 from vllm_dist.implementations.launchers.common import (
     WorkerOutcome,
     check_env,
     check_host,
+    check_max_restarts,
     check_n_tasks,
     check_port,
     check_seconds,
@@ -48,10 +51,13 @@ from vllm_dist.implementations.launchers.common import (
     launch_retrying_taken_ports,
     looks_like_consequence,
     mark_causes,
+    one_line,
     pack_launch,
     raised_failure,
     run_packed_task,
     spawn_guard_error,
+    tries_failed,
+    unguarded_launch_error,
     worker_env,
 )
 from vllm_dist.interfaces import (
@@ -65,6 +71,8 @@ from vllm_dist.interfaces import (
 from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, new_launch_id, new_secret
 
 _PR_SET_PDEATHSIG = 1
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+logger = log.get_logger(__name__)
 
 
 class MPLauncher(Launcher):
@@ -73,14 +81,25 @@ class MPLauncher(Launcher):
     Args:
         n_tasks: number of ranks.
         start_method: ``"spawn"`` (default; safe with CUDA), ``"forkserver"`` or ``"fork"``.
-        timeout: seconds one launch may take before every worker is stopped; None = no limit.
+        timeout: seconds one try of a launch may take before every worker is stopped (each
+            restart gets its own); None = no limit.
         master_addr: address of the rendezvous (loopback by default).
         master_port: rendezvous port; a free one is picked when None.
         env: extra environment variables for every worker; ``{rank}`` and ``{local_rank}`` in a
             value become that worker's own (``{"NCCL_HOSTID": "host-{rank}"}``).
-        prefix_output: forward worker stdout / stderr with a ``[rank N]:`` prefix; when False the
-            workers write straight to the parent's terminal.
+        prefix_output: forward worker stdout / stderr with a ``[rankN]:`` prefix; when False
+            (and no ``log_dir`` or ``console_ranks``) the workers write straight to the terminal.
         stop_grace: seconds between SIGTERM and SIGKILL when stopping workers.
+        max_restarts: how many times a failed launch (a rank raised, died or hung) is stopped
+            and started again as a whole, with fresh ports and secret; the worker reads its try
+            from ``worker_info.restart_count`` (0 first). torchelastic's ``max_restarts``.
+        log_dir: a folder for per-rank logs, laid out as torchelastic's
+            (``<run>/attempt_<try>/<rank>/stdout.log``, ``stderr.log``, ``error.json`` for a
+            failed rank); created when missing. ``last_run_dir`` names the launch's folder.
+        tee: with ``log_dir``, the streams also shown on the console: False / ``"none"``,
+            ``"stdout"``, ``"stderr"``, True / ``"all"`` (torchrun's ``--tee``).
+        console_ranks: the ranks whose output the console shows; None = all (torchrun's
+            ``--local-ranks-filter``).
     """
 
     def __init__(
@@ -94,6 +113,10 @@ class MPLauncher(Launcher):
         env: Mapping[str, str] | None = None,
         prefix_output: bool = True,
         stop_grace: float = 2.0,
+        max_restarts: int = 0,
+        log_dir: str | os.PathLike[str] | None = None,
+        tee: bool | str = False,
+        console_ranks: Sequence[int] | None = None,
     ) -> None:
         self._n_tasks = check_n_tasks(n_tasks)
         if start_method not in mp.get_all_start_methods():
@@ -110,28 +133,67 @@ class MPLauncher(Launcher):
             raise ValueError(f"stop_grace must be a number of seconds >= 0, got {stop_grace!r}")
         if n_tasks > 1 and "OMP_NUM_THREADS" not in self._env | dict(os.environ):
             self._env["OMP_NUM_THREADS"] = "1"
-        self._prefix_output = prefix_output
         self._stop_grace = stop_grace
+        self._max_restarts = check_max_restarts(max_restarts)
+        self._output = output.OutputPlan(
+            log_dir=output.check_log_dir(log_dir),
+            tee=output.check_tee(tee),
+            console_ranks=output.check_console_ranks(console_ranks, n_tasks),
+            prefix=bool(prefix_output),
+        )
+        log.log_level({**os.environ, **self._env})  # a bad VLLM_DIST_LOG_LEVEL fails here
+        self._last_run_dir: str | None = None
 
     @property
     def n_tasks(self) -> int:
         return self._n_tasks
 
+    @property
+    def last_run_dir(self) -> str | None:
+        """The folder under ``log_dir`` where the last launch wrote its logs (None: none yet)."""
+        return self._last_run_dir
+
     def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
-        guard = spawn_guard_error()
+        guard = spawn_guard_error() or unguarded_launch_error(self._ctx.get_start_method())
         if guard is not None:
             raise guard
         packed = pack_launch(task_type, kwargs)
         task_type.check_launch_kwargs(self._n_tasks, **kwargs)
+        log.configure()
+        run_dir = None
+        if self._output.log_dir is not None:
+            run_dir = self._last_run_dir = output.new_run_dir(self._output.log_dir)
+            logger.info("per-rank logs of this launch go to %s", run_dir)
+        errors: list[LaunchError] = []
+        for attempt in range(self._max_restarts + 1):
+            try:
+                return self._launch_try(packed, attempt, run_dir)
+            except LaunchError as exc:
+                errors.append(exc)
+                if attempt < self._max_restarts:
+                    logger.warning(
+                        "launch try %d of %d failed: %s; starting it again",
+                        attempt + 1,
+                        self._max_restarts + 1,
+                        one_line(exc),
+                    )
+        raise tries_failed(errors, self._max_restarts)
+
+    def _launch_try(self, packed: bytes, attempt: int, run_dir: str | None) -> list[Any]:
+        """One try: on the fixed port, or on free ones, again while the port was taken."""
         started = time.monotonic()
         if self._master_port:
-            return self._launch_once(packed, self._master_port, started)
+            return self._launch_once(packed, self._master_port, started, attempt, run_dir)
         return launch_retrying_taken_ports(
-            lambda: self._launch_once(packed, find_free_port(self._master_addr), started)
+            lambda: self._launch_once(
+                packed, find_free_port(self._master_addr), started, attempt, run_dir
+            )
         )
 
-    def _launch_once(self, packed: bytes, port: int, started: float) -> list[Any]:
-        run = _Run(self, packed, port, started)
+    def _launch_once(
+        self, packed: bytes, port: int, started: float, attempt: int, run_dir: str | None
+    ) -> list[Any]:
+        run = _Run(self, packed, port, started, attempt, run_dir)
         results = None
         try:
             run.start()
@@ -141,8 +203,10 @@ class MPLauncher(Launcher):
             run.stop(exit_wait=10.0 if results is not None else 0.0)
         late = run.exit_failures()
         if late:
-            raise LaunchError(
-                late, summary=f"rank(s) {[f.rank for f in late]} died after returning a result"
+            raise run.error(
+                LaunchError,
+                late,
+                summary=f"rank(s) {[f.rank for f in late]} died after returning a result",
             )
         return results
 
@@ -150,15 +214,27 @@ class MPLauncher(Launcher):
 class _Run:
     """The processes of one launch, and everything needed to stop them."""
 
-    def __init__(self, launcher: MPLauncher, packed: bytes, port: int, started: float) -> None:
+    def __init__(
+        self,
+        launcher: MPLauncher,
+        packed: bytes,
+        port: int,
+        started: float,
+        attempt: int,
+        run_dir: str | None,
+    ) -> None:
         self._launcher = launcher
-        # the timeout counts from launch(): a launch again on a fresh port does not restart it
+        self._attempt = attempt
+        self._run_dir = run_dir
+        # the timeout counts from the try's start: a launch again on a fresh port (a taken one)
+        # does not restart it, a restart (max_restarts) does
         self._deadline = None if launcher._timeout is None else started + launcher._timeout
         self._packed = packed
         self._port = port
         self.procs: list[Any] = []
         self.results: list[mpc.Connection] = []
-        self._forwarder = _OutputForwarder() if launcher._prefix_output else None
+        self._output = launcher._output
+        self._forwarder = output.OutputForwarder() if self._output.forwards else None
         self._stop_lock = threading.Lock()
         self._stopped = False
         self._dir = tempfile.mkdtemp(prefix="vllm_dist-")  # progress records and stack dumps
@@ -178,6 +254,7 @@ class _Run:
                 master_port=self._port,
                 launch_id=launch_id,
                 secret=secret,
+                restart_count=self._attempt,
             )
             self._start_one(info)
         if self._forwarder is not None:
@@ -186,6 +263,39 @@ class _Run:
     def _file(self, rank: int, what: str) -> str:
         return os.path.join(self._dir, f"rank{rank}.{what}")
 
+    def _log_dir(self, rank: int) -> str | None:
+        if self._run_dir is None:
+            return None
+        return output.rank_dir(self._run_dir, self._attempt, rank)
+
+    def _sinks(self, rank: int, stream: str) -> list[output.Sink]:
+        """Where one stream of ``rank`` goes: its log file, the console, both or neither."""
+        sinks = []
+        folder = self._log_dir(rank)
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
+            sinks.append(output.Sink(open(os.path.join(folder, f"{stream}.log"), "ab")))  # noqa: SIM115
+        if self._output.to_console(rank, stream):
+            prefix = f"[rank{rank}]:" if self._output.prefix else ""
+            sinks.append(output.Sink(getattr(sys, stream), prefix=prefix))
+        return sinks
+
+    def error(
+        self, cls: type[LaunchError], failures: list[WorkerFailure], summary: str = ""
+    ) -> LaunchError:
+        """The launch's error; with ``log_dir`` each failed rank's ``error.json`` is written
+        first and every failure names its log files."""
+        named = []
+        for f in failures:
+            folder = self._log_dir(f.rank)
+            if folder is not None:
+                pid = self.procs[f.rank].pid if f.rank < len(self.procs) else None
+                err = output.write_error_file(folder, f, pid=pid, restart_count=self._attempt)
+                logs = [os.path.join(folder, f"{s}.log") for s in output.STREAMS]
+                f = replace(f, log_files=(*logs, err))
+            named.append(f)
+        return cls(named, summary=summary)
+
     def _start_one(self, info: WorkerInfo) -> None:
         ctx = self._launcher._ctx
         result_r, result_w = ctx.Pipe(duplex=False)
@@ -193,11 +303,17 @@ class _Run:
         if self._forwarder is not None:
             out_r, out_w = ctx.Pipe(duplex=False)
             err_r, err_w = ctx.Pipe(duplex=False)
-        env = {**self._launcher._env, PROGRESS_FILE_ENV: self._file(info.rank, "progress")}
+            sinks = {s: self._sinks(info.rank, s) for s in output.STREAMS}
+        env = {
+            **self._launcher._env,
+            PROGRESS_FILE_ENV: self._file(info.rank, "progress"),
+            RESTART_COUNT_ENV: str(info.restart_count),  # torchrun's, read by WorkerInfo.from_env
+        }
         files = _WorkerFiles(stacks=self._file(info.rank, "stacks"))
         proc = ctx.Process(  # type: ignore[attr-defined]
             target=_worker_main,
             args=(self._packed, info, env, os.getpid(), result_w, out_w, err_w, files),
+            kwargs={"rank_prefix": not self._output.prefix},
             name=f"vllm_dist-rank{info.rank}",
             daemon=False,
         )
@@ -206,8 +322,8 @@ class _Run:
             if conn is not None:
                 conn.close()  # the child holds the write ends; EOF means it is gone
         if self._forwarder is not None:
-            self._forwarder.add(out_r, info.rank, sys.stdout)
-            self._forwarder.add(err_r, info.rank, sys.stderr)
+            self._forwarder.add(out_r, sinks["stdout"])
+            self._forwarder.add(err_r, sinks["stderr"])
         self.procs.append(proc)
         self.results.append(result_r)
 
@@ -243,7 +359,7 @@ class _Run:
                     for f in failures
                 ]
                 failures += self._hung(live)
-            raise LaunchError(mark_causes(failures))
+            raise self.error(LaunchError, mark_causes(failures))
         return [serialization.loads(outcomes[r].payload) for r in range(n)]
 
     def _read_outcome(self, rank: int) -> WorkerOutcome:
@@ -321,11 +437,12 @@ class _Run:
             return None
         return max(0.0, self._deadline - time.monotonic())
 
-    def _timeout_error(self, outcomes: dict[int, WorkerOutcome]) -> LaunchTimeoutError:
+    def _timeout_error(self, outcomes: dict[int, WorkerOutcome]) -> LaunchError:
         stuck = [r for r in range(len(self.procs)) if r not in outcomes]
         failures = mark_causes(self._hung(stuck))
         blamed = [f.rank for f in failures if f.cause]
-        return LaunchTimeoutError(
+        return self.error(
+            LaunchTimeoutError,
             failures,
             summary=f"launch timed out after {self._launcher._timeout} s; "
             f"rank(s) {stuck} had not finished and were stopped; rank(s) {blamed} lag behind "
@@ -469,71 +586,6 @@ def _signal_groups(procs: list[Any], sig: int, also_dead: bool = False) -> None:
             os.killpg(proc.pid, sig)
 
 
-class _OutputForwarder:
-    """One thread that copies worker output to the parent, line by line, with a rank prefix."""
-
-    def __init__(self) -> None:
-        self._sel = selectors.DefaultSelector()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-
-    def add(self, conn: mpc.Connection, rank: int, sink: IO[str]) -> None:
-        with self._lock:
-            self._sel.register(conn.fileno(), selectors.EVENT_READ, (conn, rank, sink, []))
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="vllm_dist-output", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                if len(self._sel.get_map()) <= 1:
-                    return
-            for key, _ in self._sel.select(timeout=0.5):
-                if key.data is None:
-                    return
-                conn, rank, sink, pending = key.data
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    self._emit(rank, sink, pending, b"", final=True)
-                    with self._lock:
-                        self._sel.unregister(key.fd)
-                    conn.close()
-                else:
-                    self._emit(rank, sink, pending, chunk, final=False)
-
-    @staticmethod
-    def _emit(rank: int, sink: IO[str], pending: list[bytes], chunk: bytes, final: bool) -> None:
-        data = b"".join(pending) + chunk
-        lines = data.split(b"\n")
-        rest = lines.pop()
-        if final and rest:
-            lines.append(rest)
-            rest = b""
-        pending[:] = [rest] if rest else []
-        if not lines:
-            return
-        text = "".join(f"[rank{rank}]:{ln.decode(errors='replace')}\n" for ln in lines)
-        try:
-            sink.write(text)
-            sink.flush()
-        except (ValueError, OSError):
-            pass  # the parent's stream is closed; drop the output rather than fail the launch
-
-    def close(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout=timeout)
-            if self._thread.is_alive():
-                os.write(self._wake_w, b"x")  # a grandchild still holds a pipe: stop reading
-                self._thread.join(timeout=1.0)
-        os.close(self._wake_w)
-        os.close(self._wake_r)
-        self._sel.close()
-
-
 @dataclass(frozen=True, slots=True)
 class _WorkerFiles:
     """Files the parent reads from a worker: where SIGUSR1 dumps its stacks."""
@@ -550,8 +602,11 @@ def _worker_main(
     out_conn: mpc.Connection | None,
     err_conn: mpc.Connection | None,
     files: _WorkerFiles,
+    rank_prefix: bool = False,
 ) -> None:
-    """Entry point of a worker process; ends the process once its outcome is delivered."""
+    """Entry point of a worker process; ends the process once its outcome is delivered.
+    ``rank_prefix``: the worker's output reaches the console unprefixed, so its log records
+    carry the rank themselves."""
     _die_with_parent(parent_pid)
     os.setpgid(0, 0)
     _watch_group()
@@ -562,7 +617,7 @@ def _worker_main(
         _redirect(out_conn, err_conn)
     os.environ.update(worker_env(dict(env), info))
     _apply_thread_count()
-    outcome = run_packed_task(packed, info)
+    outcome = run_packed_task(packed, info, rank_prefix=rank_prefix)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     result_conn.send(outcome)
