@@ -61,11 +61,13 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         _temp_dir=temp_dir,
         _node_ip_address="127.0.0.1",
     )
+    owner = os.getpid()
     try:
         yield ray
     finally:
-        ray.shutdown()
-        if short is not None:
+        if os.getpid() == owner:  # a pytest-forked child tears fixtures down too: not its Ray
+            ray.shutdown()
+        if short is not None and os.getpid() == owner:
             shutil.rmtree(short, ignore_errors=True)
 
 

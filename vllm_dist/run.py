@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from vllm_dist.interfaces import DistributedTask, WorkerInfo
+from vllm_dist.log import configure as configure_logging
 
 
 def run_task(task_type: type[DistributedTask], /, **kwargs: Any) -> Any:
@@ -29,4 +30,5 @@ def run_task(task_type: type[DistributedTask], /, **kwargs: Any) -> Any:
         raise TypeError(f"task_type must be a DistributedTask subclass, got {task_type!r}")
     info = WorkerInfo.from_env()
     os.environ.update(info.env())
+    configure_logging(rank=info.rank)  # VLLM_DIST_LOG_LEVEL, as under our own launchers
     return task_type(info).run(**kwargs)

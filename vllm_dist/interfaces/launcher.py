@@ -83,6 +83,7 @@ class WorkerInfo:
             "GROUP_RANK": str(self.node_rank),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
             **({LAUNCH_ID_ENV: self.launch_id} if self.launch_id else {}),
         }
 
