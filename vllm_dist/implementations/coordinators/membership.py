@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import socket
 import threading
 import time
@@ -49,6 +50,7 @@ _KEY_LABEL = b"vllm_dist fleet messages v1"
 _ABSENT = b"\x00vllm_dist:absent\x00"  # a value no key ever holds: compare_set reads with it
 _POLL_S = 0.25  # the longest one blocking store wait lasts before liveness is checked again
 _MAX_ROSTER_BYTES = 16 << 20
+_MEMBER_ID = re.compile(r"[^/#]+/[0-9]+#[0-9]+")
 
 
 class FencedError(RuntimeError):
@@ -340,12 +342,13 @@ class Fleet:
         except ValueError:
             raise AuthenticationError(f"the value under {name!r} is malformed") from None
         header = [self.config.fleet.encode(), b"pub", name.encode(), publisher, version]
-        obj = unseal(self._key, header, body, limit, f"the value published under {name!r}")
         self.check_incarnation(publisher.decode(), f"the value under {name!r}")
-        return obj
+        return unseal(self._key, header, body, limit, f"the value published under {name!r}")
 
     def check_incarnation(self, member_id: str, what: str) -> None:
         """``FencedError`` when ``member_id``'s slot has a newer incarnation than it."""
+        if not _MEMBER_ID.fullmatch(member_id):
+            raise AuthenticationError(f"{what} names a malformed member id {member_id!r}")
         slot_key, _, inc = member_id.rpartition("#")
         current = self.store.add(self.k(f"inc/{slot_key}"), 0)
         if int(inc) < current:
@@ -518,10 +521,12 @@ class Member:
         data = self._await_message(src_id, name, timeout)
         header = self._p2p_header(src_id, self.id, channel, n)
         limit = self.fleet.config.max_message_bytes
-        obj = unseal(self.fleet._key, header, data, limit, f"message #{n} from {src_id}")
-        self.fleet.check_incarnation(src_id, f"message #{n} from {src_id}")
+        try:
+            self.fleet.check_incarnation(src_id, f"message #{n} from {src_id}")
+            obj = unseal(self.fleet._key, header, data, limit, f"message #{n} from {src_id}")
+        finally:  # a refused message is dropped; it takes no place in the sequence
+            self.fleet.store.delete_key(self.fleet.k(name))
         self._received[src_id + channel] = n
-        self.fleet.store.delete_key(self.fleet.k(name))
         return obj
 
     def _await_message(self, src_id: str, name: str, timeout: float | None) -> bytes:
