@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from vllm_dist import CoordinatorType, MPLauncher, get_coordinator_class
 from vllm_dist.implementations.coordinators.auth_store import AuthStoreServer, pack_fields
 from vllm_dist.implementations.coordinators.membership import (
     Fleet,
@@ -30,7 +31,7 @@ from vllm_dist.implementations.coordinators.membership import (
     message_key,
     seal,
 )
-from vllm_dist.interfaces import AuthenticationError
+from vllm_dist.interfaces import AuthenticationError, DistributedTask
 
 SECRET = bytes(range(32))
 CONFIG = MembershipConfig(heartbeat_interval_s=0.2, lease_s=2.0, timeout_s=60.0)
@@ -48,18 +49,21 @@ def _member_main() -> None:
     fleet = Fleet("127.0.0.1", setup["port"], bytes.fromhex(setup["secret"]), config)
     member = fleet.join(setup["role"], setup["slot"])
     _answer({"id": member.id, "pid": os.getpid(), "epoch": member.view().epoch})
+    coords: dict[str, Any] = {}
     for line in sys.stdin:
         cmd = json.loads(line)
         try:
-            _answer({"ok": _run(member, cmd)})
+            _answer({"ok": _run(member, cmd, coords)})
         except Exception as exc:  # the test reads the error's type and message
             _answer({"error": type(exc).__name__, "message": str(exc)})
         if cmd["op"] == "leave":
             return
 
 
-def _run(member: Any, cmd: dict[str, Any]) -> Any:
+def _run(member: Any, cmd: dict[str, Any], coords: dict[str, Any]) -> Any:
     op = cmd["op"]
+    if op.startswith("coord"):
+        return _run_coordinator(member, cmd, coords)
     if op == "send":
         return member.send(cmd["to"], cmd["obj"])
     if op == "recv":
@@ -78,6 +82,26 @@ def _run(member: Any, cmd: dict[str, Any]) -> Any:
     if op == "leave":
         return member.leave()
     raise ValueError(f"unknown op {op}")
+
+
+def _run_coordinator(member: Any, cmd: dict[str, Any], coords: dict[str, Any]) -> Any:
+    """Store-coordinator commands: make one over the live consumers, run its operations."""
+    from vllm_dist.implementations.coordinators.store_coordinator import StoreCoordinator
+
+    if cmd["op"] == "coord_make":
+        consumers = member.view().role("consumer")
+        coords["c"] = StoreCoordinator.from_member(member, consumers, timeout=60.0)
+        return [coords["c"].get_rank(), coords["c"].get_world_size()]
+    coord = coords["c"]
+    if cmd["op"] == "coord_barrier":
+        return coord.barrier(timeout=60.0)
+    rank, world = coord.get_rank(), coord.get_world_size()
+    coord.barrier()
+    gathered = coord.all_gather_object(member.id)
+    told = coord.broadcast_object({"plan": rank} if rank == 0 else None, 0)
+    coord.send_object(rank, (rank + 1) % world)
+    ring = coord.recv_object((rank - 1) % world)
+    return {"gathered": gathered, "told": told, "ring": ring}
 
 
 def _answer(obj: dict[str, Any]) -> None:
@@ -121,9 +145,17 @@ class Proc:
             self._lines.put(line)
 
     def _exchange(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.post(msg)
+        return self.answer(msg)
+
+    def post(self, msg: dict[str, Any]) -> None:
+        """Send one command without waiting for its answer."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
+
+    def answer(self, msg: Any = "") -> dict[str, Any]:
+        """The answer to the command posted last (bounded)."""
         try:
             line = self._lines.get(timeout=REPLY_S)
         except queue.Empty:
@@ -336,3 +368,72 @@ def test_scale_two_to_four_to_one(fleet: Any) -> None:
     assert final.ids() == [consumers[0].id]
     assert consumers[0].do("view")["epoch"] == final.epoch
     assert not [k for k in observer.store.list_keys() if "/msg/" in k]
+
+
+def test_store_coordinator_over_members_names_a_dead_one_and_rebuilds(fleet: Any) -> None:
+    _, observer, start, _ = fleet
+    procs = [start("consumer", s) for s in (0, 1, 2)]
+    _wait(observer, lambda v: len(v.members) == 3)
+    for i, proc in enumerate(procs):
+        assert proc.do("coord_make") == [i, 3]
+    for proc in procs:
+        proc.post({"op": "coord_ops"})
+    results = [proc.answer() for proc in procs]
+    for i, got in enumerate(results):
+        assert got["ok"] == {
+            "gathered": [p.id for p in procs],
+            "told": {"plan": 0},
+            "ring": (i - 1) % 3,
+        }, got
+    procs[2].kill()
+    for proc in procs[:2]:
+        proc.post({"op": "coord_barrier"})
+    for proc in procs[:2]:
+        err = proc.answer()
+        assert err["error"] == "CoordinatorTimeoutError", err
+        assert procs[2].id in err["message"] and "rank 2" in err["message"], err
+    _wait(observer, lambda v: len(v.members) == 2)
+    for i, proc in enumerate(procs[:2]):
+        assert proc.do("coord_make") == [i, 2]
+    for proc in procs[:2]:
+        proc.post({"op": "coord_ops"})
+    for proc in procs[:2]:
+        assert proc.answer()["ok"]["gathered"] == [p.id for p in procs[:2]]
+    assert not [k for k in observer.store.list_keys() if "/coll/" in k]
+
+
+class _CoordinatorTask(DistributedTask):
+    """Every operation of the store coordinator on a launch, sub-groups included."""
+
+    def run(self, **_: Any) -> Any:
+        coord = get_coordinator_class(CoordinatorType.STORE)(self.worker_info, timeout=60)
+        coord.initialize()
+        try:
+            rank, world = coord.get_rank(), coord.get_world_size()
+            coord.barrier()
+            out = {
+                "rank": rank,
+                "gathered": coord.all_gather_object(rank * 10),
+                "told": coord.broadcast_object("from 1" if rank == 1 else None, 1),
+            }
+            if rank == 0:
+                coord.send_object({"to": 2}, 2)
+            if rank == 2:
+                out["p2p"] = coord.recv_object(0)
+            group = coord.new_group([2, 0] if rank in (0, 2) else [1])
+            out["group"] = [group.get_rank(), group.get_global_ranks()]
+            out["group_gathered"] = group.all_gather_object(rank)
+            group.barrier()
+            assert world == 3
+            return out
+        finally:
+            coord.close()
+
+
+def test_store_coordinator_under_the_mp_launcher() -> None:
+    results = MPLauncher(n_tasks=3).launch(task_type=_CoordinatorTask)
+    assert [r["gathered"] for r in results] == [[0, 10, 20]] * 3
+    assert [r["told"] for r in results] == ["from 1"] * 3
+    assert results[2]["p2p"] == {"to": 2}
+    assert [r["group"] for r in results] == [[1, [2, 0]], [0, [1]], [0, [2, 0]]]
+    assert [r["group_gathered"] for r in results] == [[2, 0], [1], [2, 0]]

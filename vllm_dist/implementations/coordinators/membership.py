@@ -48,7 +48,7 @@ logger = logging.getLogger("vllm_dist")
 
 _KEY_LABEL = b"vllm_dist fleet messages v1"
 _ABSENT = b"\x00vllm_dist:absent\x00"  # a value no key ever holds: compare_set reads with it
-_POLL_S = 0.25  # the longest one blocking store wait lasts before liveness is checked again
+POLL_S = 0.25  # the longest one blocking store wait lasts before liveness is checked again
 _MAX_ROSTER_BYTES = 16 << 20
 _MEMBER_ID = re.compile(r"[^/#]+/[0-9]+#[0-9]+")
 
@@ -196,7 +196,7 @@ class Fleet:
         self.config = config
         self.store = store
         self._secret = secret
-        self._key = message_key(secret)
+        self.tag_key = message_key(secret)
         self._prefix = f"vllm_dist/fleet/{self.config.fleet}/"
         self._seen: dict[str, tuple[bytes | None, float]] = {}  # id -> (heartbeat, since)
 
@@ -252,13 +252,14 @@ class Fleet:
                     f"the fleet did not reach the awaited state within {seconds} s; "
                     f"epoch {view.epoch}, live members {view.ids()}"
                 )
-            self._wait_key(f"change/{view.version + 1}", min(left, _POLL_S))
+            self.wait_key(f"change/{view.version + 1}", min(left, POLL_S))
 
     def wait_for_change(self, epoch: int, timeout: float | None = None) -> FleetView:
         """The first view whose epoch differs from ``epoch`` (a member joined, left or died)."""
         return self.wait_for(lambda v: v.epoch != epoch, timeout)
 
-    def _wait_key(self, name: str, seconds: float) -> bool:
+    def wait_key(self, name: str, seconds: float) -> bool:
+        """Block until ``name`` exists or ``seconds`` passed; True when it exists."""
         try:
             self.store.wait([self.k(name)], datetime.timedelta(seconds=max(seconds, 0.001)))
         except dist.DistStoreError:
@@ -311,10 +312,13 @@ class Fleet:
         return True
 
     def release(self, member_id: str) -> None:
-        """Delete the messages to and from ``member_id`` that nobody will read."""
-        mark = f"/{member_id}/"
+        """Delete the messages to and from ``member_id`` and the collective keys of every group
+        it was in (``coll/g/<id>,<id>,...``): nobody will read them."""
+        msg = re.compile(rf"msg/(.*/)?{re.escape(member_id)}/")
+        coll = re.compile(rf"coll/g/([^/#]+/[0-9]+#[0-9]+,)*{re.escape(member_id)}[,/]")
         for key in self.store.list_keys():
-            if key.startswith(self._prefix + "msg/") and mark in key[len(self._prefix) + 3 :]:
+            rest = key[len(self._prefix) :] if key.startswith(self._prefix) else ""
+            if msg.match(rest) or coll.match(rest):
                 self.store.delete_key(key)
 
     # -- published values ------------------------------------------------------------------------
@@ -332,7 +336,7 @@ class Fleet:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise MembershipTimeoutError(f"nothing was published under {name!r} in {seconds} s")
-            self._wait_key(f"pub/{name}", min(left, _POLL_S))
+            self.wait_key(f"pub/{name}", min(left, POLL_S))
         return self._open_published(name, data)
 
     def _open_published(self, name: str, data: bytes) -> Any:
@@ -343,7 +347,7 @@ class Fleet:
             raise AuthenticationError(f"the value under {name!r} is malformed") from None
         header = [self.config.fleet.encode(), b"pub", name.encode(), publisher, version]
         self.check_incarnation(publisher.decode(), f"the value under {name!r}")
-        return unseal(self._key, header, body, limit, f"the value published under {name!r}")
+        return unseal(self.tag_key, header, body, limit, f"the value published under {name!r}")
 
     def check_incarnation(self, member_id: str, what: str) -> None:
         """``FencedError`` when ``member_id``'s slot has a newer incarnation than it."""
@@ -501,7 +505,7 @@ class Member:
             )
         n = self._sent[peer.id + channel] = self._sent.get(peer.id + channel, 0) + 1
         header = self._p2p_header(self.id, peer.id, channel, n)
-        data = seal(self.fleet._key, header, obj, self.fleet.config.max_message_bytes)
+        data = seal(self.fleet.tag_key, header, obj, self.fleet.config.max_message_bytes)
         self.fleet.store.set(self.fleet.k(f"msg/{self.id}/{peer.id}/{channel}/{n}"), data)
 
     def recv(
@@ -523,7 +527,7 @@ class Member:
         limit = self.fleet.config.max_message_bytes
         try:
             self.fleet.check_incarnation(src_id, f"message #{n} from {src_id}")
-            obj = unseal(self.fleet._key, header, data, limit, f"message #{n} from {src_id}")
+            obj = unseal(self.fleet.tag_key, header, data, limit, f"message #{n} from {src_id}")
         finally:  # a refused message is dropped; it takes no place in the sequence
             self.fleet.store.delete_key(self.fleet.k(name))
         self._received[src_id + channel] = n
@@ -549,7 +553,7 @@ class Member:
                 raise MembershipTimeoutError(
                     f"{self.id}: no message from {src_id} within {seconds} s ({src_id} is live)"
                 )
-            self.fleet._wait_key(name, min(left, _POLL_S))
+            self.fleet.wait_key(name, min(left, POLL_S))
 
     def _p2p_header(self, src: str, dst: str, channel: str, n: int) -> list[bytes]:
         return [self.fleet.config.fleet.encode(), b"p2p", src.encode(), dst.encode()] + [
@@ -562,7 +566,9 @@ class Member:
         self.check_current()
         version = str(self.fleet.store.add(self.fleet.k(f"pubver/{name}"), 1)).encode()
         header = [self.fleet.config.fleet.encode(), b"pub", name.encode(), self.id.encode()]
-        body = seal(self.fleet._key, [*header, version], obj, self.fleet.config.max_message_bytes)
+        body = seal(
+            self.fleet.tag_key, [*header, version], obj, self.fleet.config.max_message_bytes
+        )
         value = pack_fields([self.id.encode(), version, body])
         self.fleet.store.set(self.fleet.k(f"pub/{name}"), value)
 
