@@ -422,34 +422,52 @@ class Member:
     def start_heartbeat(self) -> None:
         """Beat (and, with ``config.watch``, reap dead peers) from a daemon thread."""
         if self._thread is None:
-            store = self.fleet.store.clone()  # a blocking wait on the main one must not stall it
             self._thread = threading.Thread(
-                target=self._beat_loop, args=(store,), name=f"vllm_dist-hb-{self.id}", daemon=True
+                target=self._beat_loop, name=f"vllm_dist-hb-{self.id}", daemon=True
             )
             self._thread.start()
 
-    def _beat_loop(self, store: AuthStoreClient) -> None:
-        watcher = Fleet.on_store(store, self.fleet._secret, self.fleet.config)
-        cfg, key, count = self.fleet.config, self.fleet.k(f"hb/{self.info.slot_key}"), 0
+    def _beat_loop(self) -> None:
+        """Beat every interval on a connection of its own (a blocking wait on the main one must
+        not stall it); reconnect after a store error, and give up once the lease has passed."""
+        cfg, watcher, last_ok = self.fleet.config, None, time.monotonic()
         last = f"{self.info.incarnation}:0".encode()
-        try:
-            while not self._stop.wait(cfg.heartbeat_interval_s):
-                count += 1
-                new = f"{self.info.incarnation}:{count}".encode()
-                if store.compare_set(key, last, new) != new:
-                    self._fence("its heartbeat key belongs to a newer incarnation or was released")
-                    return
-                last = new
+        while not self._stop.wait(cfg.heartbeat_interval_s):
+            try:
+                if watcher is None:
+                    watcher = Fleet.on_store(self.fleet.store.clone(), self.fleet._secret, cfg)
+                beat = self._beat(watcher, last)
+                if beat is None:
+                    break
+                last, last_ok = beat, time.monotonic()
                 if cfg.watch:
                     watcher.reap(skip=self.id)
                 if watcher.view().find(self.info) is None and not self._stop.is_set():
                     self._fence("it is no longer on the roster (declared dead or replaced)")
-                    return
-        except (OSError, ConnectionError, RuntimeError) as exc:
-            if not self._stop.is_set():
-                logger.warning("vllm_dist: %s: heartbeats stopped: %s", self.id, exc)
-        finally:
-            store.close()
+                    break
+            except (OSError, ConnectionError, RuntimeError) as exc:
+                if watcher is not None:
+                    watcher.close()
+                    watcher = None
+                if time.monotonic() - last_ok > cfg.lease_s:
+                    self._fence(f"no heartbeat reached the store for the lease: {exc}")
+                    break
+                logger.warning("vllm_dist: %s: heartbeat failed, retrying: %s", self.id, exc)
+        if watcher is not None:
+            watcher.close()
+
+    def _beat(self, watcher: Fleet, last: bytes) -> bytes | None:
+        """Advance this slot's heartbeat past ``last``; None (fenced) when the key is gone or
+        belongs to a newer incarnation."""
+        mine = f"{self.info.incarnation}:".encode()
+        new = mine + str(int(last[len(mine) :]) + 1).encode()
+        got = bytes(watcher.store.compare_set(watcher.k(f"hb/{self.info.slot_key}"), last, new))
+        if got == new:
+            return new
+        if got != last and got.startswith(mine):  # our previous beat landed before an error
+            return got
+        self._fence("its heartbeat key belongs to a newer incarnation or was released")
+        return None
 
     def _fence(self, why: str) -> None:
         self._fenced = why
