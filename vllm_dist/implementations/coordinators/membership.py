@@ -140,6 +140,13 @@ class FleetView:
     def ids(self) -> list[str]:
         return [m.id for m in self.members]
 
+    def without(self, member: MemberInfo) -> FleetView | None:
+        """The next epoch's view without ``member``; None when it is not (or no longer) here."""
+        if self.find(member) is None:
+            return None
+        kept = tuple(m for m in self.members if m.id != member.id)
+        return FleetView(epoch=self.epoch + 1, version=self.version + 1, members=kept)
+
 
 def message_key(secret: bytes) -> bytes:
     """The key that tags fleet messages, derived from (never equal to) the fleet secret."""
@@ -289,14 +296,7 @@ class Fleet:
     def remove(self, member: MemberInfo, *, reason: str) -> bool:
         """Take ``member`` (this incarnation) off the roster and release its messages; True for
         the one caller whose compare_set removed it."""
-
-        def drop(view: FleetView) -> FleetView | None:
-            if view.find(member) is None:
-                return None
-            kept = tuple(m for m in view.members if m.id != member.id)
-            return FleetView(epoch=view.epoch + 1, version=view.version + 1, members=kept)
-
-        new = self.update_roster(drop)
+        new = self.update_roster(lambda view: view.without(member))
         if new is None:
             return False
         logger.warning(
@@ -500,14 +500,7 @@ class Member:
         if self._thread is not None:
             self._thread.join(timeout=self.fleet.config.heartbeat_interval_s + 15)
         if not self._fenced:
-
-            def drop(view: FleetView) -> FleetView | None:
-                if view.find(self.info) is None:
-                    return None
-                kept = tuple(m for m in view.members if m.id != self.id)
-                return FleetView(epoch=view.epoch + 1, version=view.version + 1, members=kept)
-
-            self.fleet.update_roster(drop)
+            self.fleet.update_roster(lambda view: view.without(self.info))
             self.fleet.release(self.id)
         self._fenced = self._fenced or "it left"
         self.fleet.close()
@@ -619,15 +612,3 @@ def _dump_roster(view: FleetView) -> bytes:
         "members": [asdict(m) for m in view.members],
     }
     return json.dumps(doc, sort_keys=True).encode()
-
-
-__all__ = [
-    "Fleet",
-    "FleetView",
-    "FencedError",
-    "Member",
-    "MemberInfo",
-    "MembershipConfig",
-    "MembershipTimeoutError",
-    "PeerGoneError",
-]
