@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from vllm_dist import CoordinatorType, MPLauncher, get_coordinator_class
+from vllm_dist import CoordinatorType, MPLauncher, get_communicator_class, get_coordinator_class
 from vllm_dist.implementations.coordinators.auth_store import AuthStoreServer, pack_fields
 from vllm_dist.implementations.coordinators.membership import (
     Fleet,
@@ -34,7 +34,7 @@ from vllm_dist.implementations.coordinators.membership import (
 from vllm_dist.interfaces import AuthenticationError, DistributedTask
 
 SECRET = bytes(range(32))
-CONFIG = MembershipConfig(heartbeat_interval_s=0.2, lease_s=2.0, timeout_s=60.0)
+CONFIG = MembershipConfig(heartbeat_interval_s=0.2, lease_s=3.0, timeout_s=60.0)
 ROOT = Path(__file__).resolve().parents[1]
 REPLY_S = 90.0
 
@@ -406,7 +406,7 @@ class _CoordinatorTask(DistributedTask):
     """Every operation of the store coordinator on a launch, sub-groups included."""
 
     def run(self, **_: Any) -> Any:
-        coord = get_coordinator_class(CoordinatorType.STORE)(self.worker_info, timeout=60)
+        coord = get_coordinator_class(CoordinatorType.STORE)(self.worker_info, timeout=60)  # type: ignore[call-arg]
         coord.initialize()
         try:
             rank, world = coord.get_rank(), coord.get_world_size()
@@ -437,3 +437,24 @@ def test_store_coordinator_under_the_mp_launcher() -> None:
     assert results[2]["p2p"] == {"to": 2}
     assert [r["group"] for r in results] == [[1, [2, 0]], [0, [1]], [0, [2, 0]]]
     assert [r["group_gathered"] for r in results] == [[2, 0], [1], [2, 0]]
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"), [("nixl_rdt", "cpu"), ("pynccl", "cuda")], ids=["nixl_cpu", "pynccl"]
+)
+def test_communicator_conformance_over_the_store_coordinator(backend: str, device: str) -> None:
+    """A communicator that needs only object messages from its coordinator runs on this one."""
+    from vllm_dist.testing.conformance import ConformanceTask, nccl_env
+
+    reason = get_communicator_class(backend).unavailable_reason(device)
+    if reason:
+        pytest.skip(f"{backend} on {device}: {reason}")
+    env = nccl_env(2) if device == "cuda" else {}
+    reports = MPLauncher(2, timeout=240, env=env).launch(
+        task_type=ConformanceTask,
+        coordinator_type=CoordinatorType.STORE,
+        communicator_type=backend,
+        device=device,
+    )
+    failed = {(r, k): v for r, rep in enumerate(reports) for k, v in rep.items() if v != "skipped"}
+    assert failed and all(v == "ok" for v in failed.values()), failed
