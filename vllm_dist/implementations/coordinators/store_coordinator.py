@@ -88,12 +88,21 @@ class StoreCoordinator(WorkerCoordinator):
 
     @classmethod
     def from_member(
-        cls, member: Member, members: Sequence[MemberInfo], *, timeout: float = DEFAULT_TIMEOUT_S
+        cls,
+        member: Member,
+        members: Sequence[MemberInfo],
+        *,
+        name: str = "",
+        timeout: float = DEFAULT_TIMEOUT_S,
     ) -> StoreCoordinator:
         """A coordinator over ``members`` (sorted by (role, slot); ``member`` among them), which
-        every one of them builds with the same list, for example ``view.role("consumer")``."""
+        every one of them builds with the same list, for example ``view.role("consumer")``.
+        ``name`` tells apart coordinators built more than once over the same members."""
+        if "/" in name:
+            raise ValueError(f"name={name!r}: a name without '/'")
         coord = cls(None, timeout=timeout)
         coord._adopt(member, sorted(members, key=lambda m: (m.role, m.slot)))
+        coord._scope += f"/{name}" if name else ""
         return coord
 
     def _adopt(self, member: Member, members: list[MemberInfo]) -> None:
