@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 from vllm_dist import CoordinatorType, MPLauncher, get_communicator_class, get_coordinator_class
 from vllm_dist.implementations.coordinators.auth_store import AuthStoreServer, pack_fields
 from vllm_dist.implementations.coordinators.membership import (
+    FencedError,
     Fleet,
     FleetView,
     MembershipConfig,
@@ -458,3 +460,26 @@ def test_communicator_conformance_over_the_store_coordinator(backend: str, devic
     )
     failed = {(r, k): v for r, rep in enumerate(reports) for k, v in rep.items() if v != "skipped"}
     assert failed and all(v == "ok" for v in failed.values()), failed
+
+
+def test_a_live_incarnation_replaced_in_its_slot_fences_itself() -> None:
+    server = AuthStoreServer("127.0.0.1", 0, SECRET)
+    try:
+        old = Fleet("127.0.0.1", server.port, SECRET, CONFIG).join("consumer", 5)
+        peer = Fleet("127.0.0.1", server.port, SECRET, CONFIG).join("producer", 0)
+        old.send(peer.info, "before")
+        new = Fleet("127.0.0.1", server.port, SECRET, CONFIG).join("consumer", 5)
+        assert (old.info.incarnation, new.info.incarnation) == (1, 2)
+        assert peer.view().ids() == [new.id, peer.id]
+        deadline = time.monotonic() + 60
+        while not old.fenced and time.monotonic() < deadline:  # its next heartbeat notices
+            time.sleep(0.05)
+        assert "newer incarnation" in old.fenced
+        with pytest.raises(FencedError):
+            old.send(peer.info, "after")
+        with pytest.raises(PeerGoneError, match=old.id):  # its messages were released
+            peer.recv(old.id, timeout=10)
+        for member in (new, peer, old):
+            member.leave()
+    finally:
+        server.close()

@@ -378,15 +378,26 @@ class Fleet:
         )
         self.store.set(self.k(f"hb/{slot_key}"), f"{inc}:0")
 
+        replaced: list[MemberInfo] = []
+
         def add(view: FleetView) -> FleetView:
-            old = next((m for m in view.members if m.slot_key == slot_key), None)
-            if old is not None and old.incarnation > inc:
-                raise FencedError(f"{me.id}: slot {slot_key} already has {old.id}")
+            replaced[:] = [m for m in view.members if m.slot_key == slot_key]
+            if replaced and replaced[0].incarnation > inc:
+                raise FencedError(f"{me.id}: slot {slot_key} already has {replaced[0].id}")
             kept = [m for m in view.members if m.slot_key != slot_key] + [me]
             kept.sort(key=lambda m: (m.role, m.slot))
             return FleetView(epoch=view.epoch + 1, version=view.version + 1, members=tuple(kept))
 
-        self.update_roster(add)
+        new = self.update_roster(add)
+        for old in replaced:
+            logger.warning(
+                "vllm_dist: fleet %s: member %s replaced by %s; epoch %d",
+                self.config.fleet,
+                old.id,
+                me.id,
+                new.epoch if new else -1,
+            )
+            self.release(old.id)
         member = Member(self, me)
         if start_heartbeat:
             member.start_heartbeat()
