@@ -252,7 +252,7 @@ def test_sigkilled_member_is_removed_once_and_the_others_keep_working(fleet: Any
         assert survivor.do("wait_epoch", epoch=after.epoch) == after.epoch
     # exactly one process won the compare_set that removed it
     survivors = [p for p in procs if p is not c1]
-    removals = sum(p.log.read_text().count(f"member {c1.id} ") for p in survivors)
+    removals = sum(p.log.read_text().count(f"member {c1.id} (pid {c1.pid}") for p in survivors)
     assert removals == 1, [p.log.read_text() for p in survivors]
     # the others keep working; messages to or from the dead member fail fast, naming it
     prod.do("send", to=c0.id, obj=[3])
@@ -481,5 +481,29 @@ def test_a_live_incarnation_replaced_in_its_slot_fences_itself() -> None:
             peer.recv(old.id, timeout=10)
         for member in (new, peer, old):
             member.leave()
+    finally:
+        server.close()
+
+
+def test_release_deletes_only_the_departed_members_keys() -> None:
+    server = AuthStoreServer("127.0.0.1", 0, SECRET)
+    try:
+        fleet = Fleet("127.0.0.1", server.port, SECRET, CONFIG)
+        a, b, c = "rank/0#1", "rank/1#1", "rank/2#1"
+        keys = {
+            f"coll/g/{a},{b},{c}/1/barrier/0": True,  # a group with c
+            f"coll/g/{c},{a}/sub1-0123/2/all_gather/1": True,  # a sub-group with c
+            f"coll/g/{a},{b}/sub1-4567/1/barrier/0": False,  # made from c's group, without c
+            f"msg/{a}/{c}/g/{a},{c}/1": True,
+            f"msg/{c}/{b}//1": True,
+            f"msg/{a}/{b}/g/{a},{b},{c}/1": False,  # a channel naming c, between a and b
+            f"coll/g/{a},rank/2#12/1/barrier/0": False,  # another incarnation's id as prefix
+        }
+        for key in keys:
+            fleet.store.set(fleet.k(key), b"1")
+        fleet.release(c)
+        for key, gone in keys.items():
+            assert (fleet.peek(key) is None) == gone, key
+        fleet.close()
     finally:
         server.close()

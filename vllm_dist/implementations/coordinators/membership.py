@@ -299,23 +299,17 @@ class Fleet:
         new = self.update_roster(lambda view: view.without(member))
         if new is None:
             return False
-        logger.warning(
-            "vllm_dist: fleet %s: member %s (pid %d on %s) removed: %s; epoch %d",
-            self.config.fleet,
-            member.id,
-            member.pid,
-            member.host,
-            reason,
-            new.epoch,
-        )
+        where = f"{member.id} (pid {member.pid} on {member.host})"
+        logger.warning("vllm_dist: fleet member %s removed: %s; epoch %d", where, reason, new.epoch)
         self.release(member.id)
         return True
 
     def release(self, member_id: str) -> None:
         """Delete the messages to and from ``member_id`` and the collective keys of every group
         it was in (``coll/g/<id>,<id>,...``): nobody will read them."""
-        msg = re.compile(rf"msg/(.*/)?{re.escape(member_id)}/")
-        coll = re.compile(rf"coll/g/([^/#]+/[0-9]+#[0-9]+,)*{re.escape(member_id)}[,/]")
+        one, me = _MEMBER_ID.pattern, re.escape(member_id)
+        msg = re.compile(rf"msg/({one}/)?{me}/")  # msg/<src>/<dst>/...
+        coll = re.compile(rf"coll/g/({one},)*{me}[,/]")
         for key in self.store.list_keys():
             rest = key[len(self._prefix) :] if key.startswith(self._prefix) else ""
             if msg.match(rest) or coll.match(rest):
@@ -388,15 +382,9 @@ class Fleet:
             kept.sort(key=lambda m: (m.role, m.slot))
             return FleetView(epoch=view.epoch + 1, version=view.version + 1, members=tuple(kept))
 
-        new = self.update_roster(add)
+        self.update_roster(add)
         for old in replaced:
-            logger.warning(
-                "vllm_dist: fleet %s: member %s replaced by %s; epoch %d",
-                self.config.fleet,
-                old.id,
-                me.id,
-                new.epoch if new else -1,
-            )
+            logger.warning("vllm_dist: fleet member %s replaced by %s", old.id, me.id)
             self.release(old.id)
         member = Member(self, me)
         if start_heartbeat:
@@ -414,8 +402,8 @@ class Member:
     def __init__(self, fleet: Fleet, info: MemberInfo) -> None:
         self.fleet = fleet
         self.info = info
-        self._sent: dict[str, int] = {}  # per peer id
-        self._received: dict[str, int] = {}
+        self._sent: dict[tuple[str, str], int] = {}  # per (peer id, channel)
+        self._received: dict[tuple[str, str], int] = {}
         self._fenced = ""  # why, once fenced
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -525,7 +513,7 @@ class Member:
             raise PeerGoneError(
                 f"{self.id}: {_name(dst)} is not a live member (epoch {view.epoch})"
             )
-        n = self._sent[peer.id + channel] = self._sent.get(peer.id + channel, 0) + 1
+        n = self._sent[peer.id, channel] = self._sent.get((peer.id, channel), 0) + 1
         header = self._p2p_header(self.id, peer.id, channel, n)
         data = seal(self.fleet.tag_key, header, obj, self.fleet.config.max_message_bytes)
         self.fleet.store.set(self.fleet.k(f"msg/{self.id}/{peer.id}/{channel}/{n}"), data)
@@ -542,7 +530,7 @@ class Member:
             MembershipTimeoutError: nothing arrived in time.
         """
         src_id = _name(src)
-        n = self._received.get(src_id + channel, 0) + 1
+        n = self._received.get((src_id, channel), 0) + 1
         name = f"msg/{src_id}/{self.id}/{channel}/{n}"
         data = self._await_message(src_id, name, timeout)
         header = self._p2p_header(src_id, self.id, channel, n)
@@ -552,7 +540,7 @@ class Member:
             obj = unseal(self.fleet.tag_key, header, data, limit, f"message #{n} from {src_id}")
         finally:  # a refused message is dropped; it takes no place in the sequence
             self.fleet.store.delete_key(self.fleet.k(name))
-        self._received[src_id + channel] = n
+        self._received[src_id, channel] = n
         return obj
 
     def _await_message(self, src_id: str, name: str, timeout: float | None) -> bytes:
@@ -578,10 +566,8 @@ class Member:
             self.fleet.wait_key(name, min(left, POLL_S))
 
     def _p2p_header(self, src: str, dst: str, channel: str, n: int) -> list[bytes]:
-        return [self.fleet.config.fleet.encode(), b"p2p", src.encode(), dst.encode()] + [
-            channel.encode(),
-            str(n).encode(),
-        ]
+        fields = [self.fleet.config.fleet, "p2p", src, dst, channel, str(n)]
+        return [f.encode() for f in fields]
 
     def publish(self, name: str, obj: Any) -> None:
         """Publish ``obj`` under ``name`` for any member to ``Fleet.read``."""

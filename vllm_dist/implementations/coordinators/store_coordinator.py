@@ -16,6 +16,7 @@ must rebuild together.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -248,7 +249,8 @@ class StoreCoordinator(WorkerCoordinator):
         child = StoreCoordinator(self._info, timeout=self._timeout)
         child._adopt(member, [self._members[r] for r in ranks])
         child._global_ranks = [self._global_ranks[r] for r in ranks]
-        child._scope = f"{self._scope}/sub{n}:{','.join(map(str, ranks))}"
+        parent = hashlib.sha256(self._scope.encode()).hexdigest()[:16]
+        child._scope += f"/sub{n}-{parent}"  # its own members first: Fleet.release finds it
         self._children.append(child)
         return child
 
