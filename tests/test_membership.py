@@ -412,7 +412,8 @@ class _CoordinatorTask(DistributedTask):
     """Every operation of the store coordinator on a launch, sub-groups included."""
 
     def run(self, **_: Any) -> Any:
-        coord = get_coordinator_class(CoordinatorType.STORE)(self.worker_info, timeout=60)  # type: ignore[call-arg]
+        cls: Any = get_coordinator_class(CoordinatorType.STORE)  # built as the registry builds it
+        coord = cls(self.worker_info, timeout=60)
         coord.initialize()
         try:
             rank, world = coord.get_rank(), coord.get_world_size()
@@ -511,3 +512,41 @@ def test_release_deletes_only_the_departed_members_keys() -> None:
         fleet.close()
     finally:
         server.close()
+
+
+def test_store_coordinator_refuses_no_secret_and_names_a_taken_port() -> None:
+    from vllm_dist.implementations.coordinators.store_coordinator import StoreCoordinator
+    from vllm_dist.interfaces import RendezvousPortTakenError, WorkerInfo
+
+    holder = AuthStoreServer("127.0.0.1", 0, SECRET)
+
+    def worker(port: int, secret: bytes) -> WorkerInfo:
+        return WorkerInfo(
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            local_world_size=1,
+            master_addr="127.0.0.1",
+            master_port=port,
+            secret=secret,
+        )
+
+    try:
+        with pytest.raises(ValueError, match="VLLM_DIST_SECRET"):
+            StoreCoordinator(worker(holder.port, b""), timeout=10).initialize()
+        with pytest.raises(RendezvousPortTakenError):
+            StoreCoordinator(worker(holder.port, SECRET), timeout=10).initialize()
+        coord = StoreCoordinator(worker(_free_port(), SECRET), timeout=10)
+        coord.initialize()
+        assert (coord.get_rank(), coord.get_world_size(), coord.broadcast_object(7, 0)) == (0, 1, 7)
+        coord.barrier()
+        assert coord.all_gather_object("x") == ["x"]
+        coord.close()
+    finally:
+        holder.close()
+
+
+def _free_port() -> int:
+    from vllm_dist.implementations.launchers.common import find_free_port
+
+    return int(find_free_port("127.0.0.1"))

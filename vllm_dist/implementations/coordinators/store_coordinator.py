@@ -16,6 +16,7 @@ must rebuild together.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import time
@@ -37,7 +38,12 @@ from vllm_dist.implementations.coordinators.membership import (
     unseal,
 )
 from vllm_dist.implementations.coordinators.torch_distributed import check_group_ranks
-from vllm_dist.interfaces import CoordinatorTimeoutError, WorkerCoordinator, WorkerInfo
+from vllm_dist.interfaces import (
+    CoordinatorTimeoutError,
+    RendezvousPortTakenError,
+    WorkerCoordinator,
+    WorkerInfo,
+)
 from vllm_dist.interfaces.launcher import SECRET_ENV
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -126,7 +132,16 @@ class StoreCoordinator(WorkerCoordinator):
                 "that torchrun, srun or mpirun starts (MPLauncher and RayLauncher hand one over)"
             )
         if info.rank == 0:
-            self._server = AuthStoreServer(info.master_addr, info.master_port, info.secret)
+            try:
+                self._server = AuthStoreServer(info.master_addr, info.master_port, info.secret)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                raise RendezvousPortTakenError(
+                    f"rank 0: port {info.master_port} on {info.master_addr} is held by another "
+                    f"process; pick a free port: {exc}",
+                    port=info.master_port,
+                ) from exc
         try:
             fleet = Fleet(info.master_addr, info.master_port, info.secret, self._config)
             member = fleet.join(_ROLE, info.rank)
