@@ -495,11 +495,19 @@ class Member:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.fleet.config.heartbeat_interval_s + 15)
-        if not self._fenced:
-            self.fleet.update_roster(lambda view: view.without(self.info))
-            self.fleet.release(self.id)
-        self._fenced = self._fenced or "it left"
-        self.fleet.close()
+        try:
+            if not self._fenced:
+                self.fleet.update_roster(lambda view: view.without(self.info))
+                self.fleet.release(self.id)
+        except (
+            OSError,
+            ConnectionError,
+            RuntimeError,
+        ) as exc:  # the others reap it after its lease
+            logger.warning("vllm_dist: %s could not leave cleanly: %s", self.id, exc)
+        finally:
+            self._fenced = self._fenced or "it left"
+            self.fleet.close()
 
     # -- messages --------------------------------------------------------------------------------
     def send(self, dst: MemberInfo | str, obj: Any, *, channel: str = "") -> None:
