@@ -56,6 +56,7 @@ class LauncherType(_BackendEnum):
 
 
 class CoordinatorType(_BackendEnum):
+    STORE = "store"
     TORCH_DISTRIBUTED = "torch_distributed"
 
 
@@ -79,6 +80,9 @@ _BUILTIN_LAUNCHERS = {
     ),
 }
 _BUILTIN_COORDINATORS = {
+    CoordinatorType.STORE: _Entry(
+        target=f"{_IMPL}.coordinators.store_coordinator:StoreCoordinator"
+    ),
     CoordinatorType.TORCH_DISTRIBUTED: _Entry(
         target=f"{_IMPL}.coordinators.torch_distributed:TorchDistributedCoordinator"
     ),
