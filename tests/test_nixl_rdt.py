@@ -1154,3 +1154,29 @@ def rdt_same_device_check(ray: Any, device: str, num_gpus: float, sizes: list[in
         assert oks == [True] * 4
     finally:
         _kill(ray, consumer, producer)
+
+
+_MAKE_AGENT = """
+import sys
+from vllm_dist.implementations.communicators.nixl.agent import load_nixl
+api = load_nixl()
+api.nixl_agent("a", api.nixl_agent_config(backends=["UCX"]))
+print("made", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("level, noisy", [(None, False), ("DEBUG", True)])
+def test_nixl_and_ucx_stay_quiet_unless_asked(level: str | None, noisy: bool) -> None:
+    """NIXL's INFO lines (and UCX's) show only with VLLM_DIST_LOG_LEVEL=DEBUG or their own
+    variables; errors always show."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NIXL_LOG_LEVEL", "UCX_LOG_LEVEL")}
+    env.pop("VLLM_DIST_LOG_LEVEL", None)
+    if level:
+        env["VLLM_DIST_LOG_LEVEL"] = level
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MAKE_AGENT], env=env, capture_output=True, text=True, timeout=120
+    )
+    out = proc.stdout + proc.stderr  # NIXL logs to stdout
+    assert proc.returncode == 0 and "made" in out, out[-2000:]
+    assert ("NIXL INFO" in out) == noisy, out[-2000:]

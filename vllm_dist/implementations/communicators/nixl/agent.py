@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_dist.implementations.communicators.nixl.network import scoped_env, ucx_env
+from vllm_dist.implementations.communicators.nixl.network import quiet_env, scoped_env, ucx_env
 from vllm_dist.interfaces import WorkerCoordinator
 
 if TYPE_CHECKING:
@@ -109,7 +109,8 @@ def unavailable_reason(device_type: str) -> str | None:
 def load_nixl() -> Any:
     """NIXL's Python API module; an ImportError naming the install command without it."""
     try:
-        from nixl import _api
+        with scoped_env(quiet_env()):  # both read their level as they load
+            from nixl import _api
     except ImportError as exc:
         raise ImportError(
             f"the NIXL_RDT communicator needs the nixl package ({exc}); install it with: "
@@ -149,7 +150,7 @@ def new_agent(api: Any, name: str, opts: NixlOptions, delay_us: int) -> Any:
         def pthrDelay(self, value: int) -> None:  # noqa: N802
             field_.__set__(self, delay_us if value == 0 else value)
 
-    with _AGENT_LOCK, scoped_env(ucx_env()):
+    with _AGENT_LOCK, scoped_env({**quiet_env(), **ucx_env()}):
         if delay_us == 0:
             return api.nixl_agent(name, config)
         bind.nixlAgentConfig = _Config

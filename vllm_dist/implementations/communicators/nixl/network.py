@@ -56,6 +56,18 @@ def ucx_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {NET_DEVICES: loopback_device()}
 
 
+QUIET_LEVELS = {"NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}  # names both sides accept
+
+
+def quiet_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """NIXL's and UCX's own log levels while they load and make an agent: errors only, unless
+    the user set them or asked for ``VLLM_DIST_LOG_LEVEL=DEBUG`` (then their defaults)."""
+    env = os.environ if env is None else env
+    if env.get("VLLM_DIST_LOG_LEVEL", "").strip().upper() == "DEBUG":
+        return {}
+    return {k: v for k, v in QUIET_LEVELS.items() if k not in env}
+
+
 @contextlib.contextmanager
 def scoped_env(updates: Mapping[str, str]) -> Iterator[None]:
     """``os.environ`` with ``updates`` for the length of the block, then as it was (UCX reads
