@@ -448,3 +448,13 @@ def test_a_taken_port_the_task_chose_is_not_retried(tmp_path) -> None:
             )
     assert not any(f.port_taken for f in err.value.failures)
     assert sorted(log.read_text().split()) == ["0", "1"]  # one launch, not three
+
+
+def test_launchers_say_whether_they_can_run_here() -> None:
+    """``unavailable_reason()``: None where the launcher works (``info`` reports the reason where
+    it does not: see test_cli's blocked-Ray case)."""
+    from vllm_dist import RayLauncher
+
+    assert MPLauncher.unavailable_reason() is None
+    ray_missing = __import__("importlib").util.find_spec("ray") is None
+    assert (RayLauncher.unavailable_reason() is None) != ray_missing

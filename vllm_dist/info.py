@@ -38,8 +38,6 @@ def cuda_unavailable() -> str | None:
 
 
 _ENV_PREFIXES = ("NCCL_", "UCX_", "NIXL_")
-# what a launcher needs to import to be usable; plugins: whatever their class loads
-_LAUNCHER_MODULES = {"ray": "ray"}
 
 
 def collect_info(master_addr: str = "127.0.0.1") -> dict[str, Any]:
@@ -141,11 +139,11 @@ def _usability(axis: str, reg: Any, name: str) -> dict[str, str]:
     """``{"any": "usable"}`` for launchers and coordinators, per device for communicators."""
     try:
         cls = reg.get(name)
-        module = _LAUNCHER_MODULES.get(name) if axis == "launcher" else None
-        if module:
-            __import__(module)
+        reason = cls.unavailable_reason() if axis == "launcher" else None
     except Exception as exc:  # noqa: BLE001 - reported, not raised
-        return {"any": f"unusable ({str(exc).splitlines()[0][:160]})"}
+        reason = str(exc)
+    if reason:
+        return {"any": f"unusable ({reason.splitlines()[0][:160]})"}
     if axis != "communicator":
         return {"any": "usable"}
     out = {}

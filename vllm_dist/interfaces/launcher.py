@@ -230,6 +230,12 @@ class Launcher(ABC):
     def n_tasks(self) -> int:
         """How many workers one launch starts."""
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this launcher cannot run here (a missing package, with its install command);
+        None when it can. Plugins whose dependencies may be missing override it."""
+        return None
+
     @abstractmethod
     def launch(self, *, task_type: type[DistributedTask], **kwargs: Any) -> list[Any]:
         """Run ``task_type`` on every worker and block until all have returned.

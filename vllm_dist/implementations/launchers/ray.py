@@ -116,6 +116,15 @@ class RayLauncher(Launcher):
             each time. A Ray that was already initialized is never shut down.
     """
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why Ray cannot be used here (it does not import), with the install command."""
+        try:
+            import_ray()
+        except BackendUnavailableError as exc:
+            return str(exc)
+        return None
+
     def __init__(
         self,
         n_tasks: int,
