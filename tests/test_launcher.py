@@ -307,7 +307,13 @@ def _run_script(tmp_path, text: str) -> subprocess.Popen[bytes]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # importable uninstalled
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path}
-    return subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        env=env,
+        # a shell that runs the suite in the background ignores SIGINT, and its children inherit
+        # that; the program must see Ctrl-C as a terminal would send it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _start_parent(tmp_path) -> tuple[subprocess.Popen[bytes], set[int]]:
@@ -447,7 +453,8 @@ def test_a_taken_port_the_task_chose_is_not_retried(tmp_path) -> None:
                 task_type=LateCoordinatorTask, port=taken, log=str(log)
             )
     assert not any(f.port_taken for f in err.value.failures)
-    assert sorted(log.read_text().split()) == ["0", "1"]  # one launch, not three
+    runs = log.read_text().split()  # rank 1 may be stopped before it starts: rank 0 fails fast
+    assert "0" in runs and len(runs) == len(set(runs)), runs  # one launch, not three
 
 
 def test_launchers_say_whether_they_can_run_here() -> None:
