@@ -113,6 +113,9 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         (["run", "all-reduce", "--world-sise", "2"], ["did you mean '--world-size'"]),
         (["run", "all-redcue"], ["did you mean 'all-reduce'"]),
         (["inof"], ["did you mean 'info'"]),
+        (["run", "weight-transfer", "--device", "cuda"], ["an option of 'vllm-dist run all-r"]),
+        (["run", "weight-transfer", "--world-sise", "2"], ["'--world-size', an option of"]),
+        (["run", "--json", "all-reduce"], ["go after the command: vllm-dist run all-reduce"]),
     ],
 )
 def test_bad_flag_is_refused_before_any_worker(

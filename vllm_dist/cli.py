@@ -109,7 +109,18 @@ def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors and a suggestion for a mistyped option or command."""
+    """argparse with one-line errors and a suggestion for a mistyped option or command; an
+    unknown option is reported by the command it was given to, not by ``vllm-dist``."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            leaf = _chosen_command(self, parsed)
+            hint = _option_elsewhere(self, leaf, extras[0]) if extras[0].startswith("-") else ""
+            leaf.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed
 
     def error(self, message: str) -> NoReturn:
         message += self._suggestion(message)
@@ -121,9 +132,52 @@ class _Parser(argparse.ArgumentParser):
             options = re.findall(r"'?([\w.-]+)'?", choice.group(2))
             return _did_you_mean(choice.group(1), options)
         unknown = re.search(r"unrecognized arguments: (\S+)", message)
-        if unknown and unknown.group(1).startswith("-"):
+        if unknown and unknown.group(1).startswith("-") and " (" not in message:
             return _did_you_mean(unknown.group(1).split("=")[0], sorted(_all_options(self)))
         return ""
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``{dest value: parser}`` of ``parser``'s sub-commands (empty for a leaf)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _chosen_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The parser of the sub-command ``args`` chose (``vllm-dist run all-reduce``'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(getattr(args, action.dest, None) or "")
+            return parser if sub is None else _chosen_command(sub, args)
+    return parser
+
+
+def _option_elsewhere(root: argparse.ArgumentParser, leaf: Any, word: str) -> str:
+    """A hint for an option ``leaf`` did not take: it belongs after the command, or to another
+    command (`` (--device is an option of 'vllm-dist run all-reduce')``), or is a typo of one."""
+    option = word.split("=")[0]
+    if option in _all_options(leaf):  # given before the command's name
+        return f" (options go after the command: {leaf.prog} {option} ...)"
+    leaves = []
+    stack = [root]
+    while stack:
+        parser = stack.pop()
+        subs = _subcommands(parser)
+        stack.extend(subs.values())
+        if not subs and parser is not leaf:
+            leaves.append(parser)
+    owners = sorted(f"'{p.prog}'" for p in leaves if option in _all_options(p))
+    if owners:
+        return f" ({option} is an option of {' and '.join(owners)})"
+    if _did_you_mean(option, sorted(_all_options(leaf))):
+        return ""  # the leaf's own suggestion follows
+    for parser in sorted(leaves, key=lambda p: p.prog):
+        close = difflib.get_close_matches(option, sorted(_all_options(parser)), n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean {close[0]!r}, an option of '{parser.prog}'?)"
+    return ""
 
 
 def _all_options(parser: argparse.ArgumentParser) -> set[str]:
@@ -424,7 +478,7 @@ def _add_backend_args(p: argparse.ArgumentParser, job: str) -> None:
     _add_common_args(p)
 
 
-def _add_launcher_args(p: argparse.ArgumentParser) -> None:
+def _add_launcher_args(p: argparse.ArgumentParser, *, has_device: bool = True) -> None:
     p.add_argument(
         "--launcher",
         type=_backend_name("launcher"),
@@ -445,7 +499,7 @@ def _add_launcher_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="GPUs Ray reserves for each worker with --launcher ray (fractions allowed); "
-        "default: 1 with --device cuda, else 0",
+        + ("default: 1 with --device cuda, else 0" if has_device else "default: 0"),
     )
 
 
@@ -576,7 +630,7 @@ def _add_weight_transfer(jobs: Any) -> None:
         help="torch_distributed: send/recv over gloo; nixl_rdt: one-sided READs of the "
         "trainer's memory (needs the nixl package), whole syncs replayed from the second on",
     )
-    _add_launcher_args(wt)
+    _add_launcher_args(wt, has_device=False)
     _add_common_args(wt)
     wt.set_defaults(func=cmd_weight_transfer)
 
