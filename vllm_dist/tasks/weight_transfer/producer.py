@@ -19,6 +19,7 @@ import torch
 
 from vllm_dist.interfaces import DeviceCommunicator, WorkerCoordinator
 from vllm_dist.interfaces.dataplane import AsyncSendRecvCommunicator
+from vllm_dist.tasks.weight_transfer import progress
 from vllm_dist.tasks.weight_transfer._memory import shared_empty
 from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
@@ -140,6 +141,7 @@ class WeightProducer(EngineBase):
             self._read.expose_rings()
             self._phase("expose")
         self.setup_seconds = time.perf_counter() - start
+        progress.setup_done(self)
 
     def _share_weights(self) -> None:
         """``TransferConfig.share_cpu_weights`` / ``share_gpu_weights``: at set-up, before any

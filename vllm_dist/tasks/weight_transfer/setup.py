@@ -20,6 +20,7 @@ import torch
 
 from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 from vllm_dist.interfaces.dataplane import OneSidedCommunicator
+from vllm_dist.tasks.weight_transfer import progress
 from vllm_dist.tasks.weight_transfer._memory import ArenaMap, StreamPool
 from vllm_dist.tasks.weight_transfer.config import (
     STRIDED_DIRECT_BYTES,
@@ -220,6 +221,7 @@ class EngineBase:
         spent = now - self._phase_start
         self.setup_phases[name] = self.setup_phases.get(name, 0.0) + spent
         self._phase_start = now
+        progress.phase_done(self, name, spent)
         return spent
 
     def _index(self, facts: ProducerFacts | None) -> ModelIndex:
