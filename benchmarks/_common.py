@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -10,6 +11,19 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (its line breaks kept), each option's default after its help."""
+
+
+def make_parser(doc: str, *, whole: bool = False) -> argparse.ArgumentParser:
+    """An argument parser described by the module docstring ``doc`` (its first line, or all of
+    it with ``whole``), without RST markup, showing every option's default in ``--help``."""
+    text = doc if whole else doc.strip().splitlines()[0]
+    return argparse.ArgumentParser(
+        description=text.replace("``", "").strip(), formatter_class=_HelpFormatter
+    )
 
 
 def size_sweep(lo: int, hi: int) -> list[int]:

@@ -28,6 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from _common import (  # noqa: E402
     CaseProgress,
     human,
+    make_parser,
     median,
     print_table,
     size_sweep,
@@ -236,16 +237,22 @@ def plot(results: dict[str, Any], png: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--backends", default="torch_distributed", help="comma-separated communicators")
-    p.add_argument("--launcher", default="mp")
-    p.add_argument("--min-bytes", type=parse_size, default=parse_size("1KiB"))
-    p.add_argument("--max-bytes", type=parse_size, default=parse_size("256MiB"))
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--out", default="bench_results/all_reduce.json")
+    p = make_parser(__doc__, whole=True)
+    p.add_argument("--world-size", type=int, default=2, help="ranks (processes or Ray actors)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where tensors live")
+    p.add_argument(
+        "--backends", default="torch_distributed", help="communicators to time, comma-separated"
+    )
+    p.add_argument("--launcher", default="mp", help="launcher name: mp or ray")
+    p.add_argument(
+        "--min-bytes", type=parse_size, default="1KiB", help="smallest message (64KiB, 1MiB, ...)"
+    )
+    p.add_argument(
+        "--max-bytes", type=parse_size, default="256MiB", help="largest message; sizes double"
+    )
+    p.add_argument("--rounds", type=int, default=7, help="rounds per size (x100 calls up to 64 KiB, x10 to 4 MiB, else x3; medians)",
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before the launch stops")
+    p.add_argument("--out", default="bench_results/all_reduce.json", help="JSON path; PNG beside")
     args = p.parse_args()
     results = run(args)
     write_outputs(args.out, results, lambda png: plot(results, png))

@@ -12,7 +12,6 @@ measurement, not a test: a loaded machine moves both numbers.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _common import median, print_table, write_outputs  # noqa: E402
+from _common import make_parser, median, print_table, write_outputs  # noqa: E402
 
 from vllm_dist import (  # noqa: E402
     CommunicatorType,
@@ -91,12 +90,16 @@ def plot(rows: list[dict[str, Any]], png: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--delays", default="auto,0,1,100", help="comma-separated; auto = default")
-    p.add_argument("--seconds", type=float, default=1.0, help="idle window per sample")
+    p = make_parser(__doc__, whole=True)
+    p.add_argument(
+        "--delays",
+        default="auto,0,1,100",
+        help="progress-thread poll delays in microseconds, comma-separated (auto: the default)",
+    )
+    p.add_argument("--seconds", type=float, default=1.0, help="idle window per sample, seconds")
     p.add_argument("--repeats", type=int, default=3, help="samples per rank (median reported)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
-    p.add_argument("--out", default="bench_results/nixl_idle_cpu.json")
+    p.add_argument("--out", default="bench_results/nixl_idle_cpu.json", help="JSON path")
     args = p.parse_args()
     delays = [None if d == "auto" else int(d) for d in args.delays.split(",")]
     rows = [measure(d, args.seconds, args.repeats, args.timeout) for d in delays]

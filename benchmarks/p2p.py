@@ -16,7 +16,6 @@ transport carried the bytes (``describe()`` of the communicator: NIXL backend, U
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import CaseProgress  # noqa: E402
+from benchmarks._common import CaseProgress, make_parser  # noqa: E402
 from vllm_dist import (  # noqa: E402
     CommunicatorType,
     CoordinatorType,
@@ -183,12 +182,16 @@ def _launch(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (both ranks on cuda:0)")
-    parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB")
-    parser.add_argument("--min-mib", type=float, default=1)
-    parser.add_argument("--max-mib", type=float, default=None)
-    parser.add_argument("--out", default="bench_results/p2p.json")
+    parser = make_parser(__doc__, whole=True)
+    parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="cuda: both ranks on cuda:0"
+    )
+    parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB only")
+    parser.add_argument("--min-mib", type=float, default=1, help="smallest transfer, MiB")
+    parser.add_argument(
+        "--max-mib", type=float, default=None, help="largest transfer, MiB (sizes double)"
+    )
+    parser.add_argument("--out", default="bench_results/p2p.json", help="JSON path; PNG beside")
 
     args = parser.parse_args(argv)
     top = args.max_mib or (64 if args.quick else 1024)

@@ -19,7 +19,6 @@ Writes the JSON to the path given, and a PNG beside it when matplotlib is instal
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+from _common import make_parser  # the script's own directory is on sys.path
 
 from vllm_dist import (
     CommunicatorType,
@@ -127,10 +127,12 @@ def plot(rows: list[dict[str, Any]], path: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("output", help="where to write the JSON results")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = make_parser(__doc__, whole=True)
+    parser.add_argument("output", help="where to write the JSON results (a PNG goes beside)")
+    parser.add_argument(
+        "--ranks", type=int, nargs="+", default=[1, 2, 4, 8], help="world sizes to time"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="set-ups per world size")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
     args = parser.parse_args(argv)
 

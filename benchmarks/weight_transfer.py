@@ -45,7 +45,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import CaseProgress, human, print_table, write_outputs  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    CaseProgress,
+    human,
+    make_parser,
+    print_table,
+    write_outputs,
+)
 from vllm_dist import CommunicatorType, CoordinatorType, MPLauncher  # noqa: E402
 from vllm_dist.examples.llama_tp import (  # noqa: E402
     column_parallel,
@@ -400,9 +406,7 @@ def _traces(results: list[dict[str, Any]]) -> dict[str, list[tuple[float, str]]]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = make_parser(__doc__, whole=True)
     ap.add_argument(
         "--sizes", default="100,400", help="model sizes in MB (e.g. 100,1000,4000; 0: none)"
     )
@@ -410,9 +414,9 @@ def main() -> None:
         "--many", type=int, default=100_000, help="tensors of the many-tensors case (0: skip)"
     )
     ap.add_argument("--consumers", type=int, default=2, help="TP-2 consumers (a multiple of 2)")
-    ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--syncs", type=int, default=3, help="syncs per case (the last is timed)")
     ap.add_argument("--slots", type=int, default=2, help="serve-ring slots K")
-    ap.add_argument("--chunk-mib", type=int, default=64)
+    ap.add_argument("--chunk-mib", type=int, default=64, help="largest chunk a read moves, MiB")
     ap.add_argument(
         "--direct-kib", type=int, default=1024, help="items this large travel alone (in place)"
     )
@@ -446,7 +450,7 @@ def main() -> None:
         help="many-tensors case: consumers keep each layer's experts in two fused tensors, as "
         "vLLM's FusedMoE does (w13_weight, w2_weight), instead of a tensor per expert weight",
     )
-    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte checks")
     ap.add_argument(
         "--no-replay",
         action="store_true",
@@ -494,11 +498,13 @@ def main() -> None:
         action="store_true",
         help="NCCL ranks share the GPUs (shared_gpu_nccl_env: NCCL's socket transport)",
     )
-    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per case's launch")
     ap.add_argument(
         "--dump-after", type=float, default=0.0, help="every rank prints its stacks after S s"
     )
-    ap.add_argument("--out", default="bench_results/weight_transfer.json")
+    ap.add_argument(
+        "--out", default="bench_results/weight_transfer.json", help="JSON path; PNG beside"
+    )
     args = ap.parse_args()
     register_by_value(sys.modules[__name__])
     cases: list[tuple[str, dict[str, Any], bool]] = []
