@@ -250,7 +250,12 @@ def main() -> None:
     p.add_argument(
         "--max-bytes", type=parse_size, default="256MiB", help="largest message; sizes double"
     )
-    p.add_argument("--rounds", type=int, default=7, help="rounds per size (x100 calls up to 64 KiB, x10 to 4 MiB, else x3; medians)",
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=7,
+        help="rounds per size: x100 paired calls up to 64 KiB, x10 up to 4 MiB, else x3",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the launch stops")
     p.add_argument("--out", default="bench_results/all_reduce.json", help="JSON path; PNG beside")
     args = p.parse_args()
