@@ -232,6 +232,8 @@ def plot(results: dict[str, Any], png: str) -> None:
     ax_bw.set_ylabel("bus bandwidth (GB/s)")
     ax_bw.set_title("bus bandwidth")
     ax_bw.legend(fontsize=8)
+    fig.subplots_adjust(wspace=0.3)  # room for the right panel's axis label
+    fig.subplots_adjust(wspace=0.3)  # room for the right panel's axis label
     fig.suptitle(f"all_reduce float32 sum, world {world}, {results['device']}")
     fig.savefig(png, dpi=120, bbox_inches="tight")
 
