@@ -179,14 +179,20 @@ def _mismatched(consumers: list[dict[str, Any]], k: int) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="Train a small model; sync it into a TP-2 replica.")
+    ap = argparse.ArgumentParser(
+        description="Train a small model; sync it into a TP-2 replica.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps, each followed by a sync")
     ap.add_argument(
         "--communicator",
         default="torch_distributed",
+        choices=["torch_distributed", "nixl_rdt"],
         help="torch_distributed (send/recv over gloo) or nixl_rdt (one-sided reads; needs nixl)",
     )
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
     start = time.perf_counter()
     results = MPLauncher(1 + TP, timeout=300).launch(
         task_type=RLWeightSync,
