@@ -400,7 +400,8 @@ def cmd_weight_transfer(args: argparse.Namespace) -> int:
     else:
         print(f"weight transfer (small Llama, tensor-parallel consumers, CPU, {args.communicator})")
         for key, value in summarize_lists(summary, always=False).items():
-            print(f"  {key:<18} {_fmt(value)}")
+            bytes_ = isinstance(value, int) and "bytes" in key and value >= 1024
+            print(f"  {key:<18} {_fmt(value)}" + (f" ({value / 2**20:.3g} MiB)" if bytes_ else ""))
     return 0 if summary.get("verified") else 1
 
 
@@ -518,12 +519,24 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _RootFormatter(argparse.RawDescriptionHelpFormatter, _Formatter):
+    """The top-level help: the examples keep their lines."""
+
+
+_EXAMPLES = """examples:
+  vllm-dist run all-reduce --world-size 2 --size 64MiB
+  vllm-dist run weight-transfer --producers 2 --consumers 2 --syncs 3
+  vllm-dist info --json
+  vllm-dist run all-reduce --help      (every option, its unit and default)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``vllm-dist`` argument parser."""
     parser = _Parser(
         prog="vllm-dist",
         description="Run a verified distributed job, or report what this machine can run.",
-        formatter_class=_Formatter,
+        epilog=_EXAMPLES,
+        formatter_class=_RootFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{run,info}")
