@@ -54,3 +54,14 @@ def test_an_engine_without_the_expected_fields_still_logs(caplog: pytest.LogCapt
         progress.phase_done(engine, "plan", 0.0)
         progress.setup_done(engine)
     assert [r.getMessage() for r in caplog.records][0].endswith("consumer 0: plan (0.00 s)")
+
+
+def test_a_consumers_last_phase_reports_it_ready(caplog: pytest.LogCaptureFixture) -> None:
+    engine = _engine(consumer_id=0)
+    engine.setup_phases = {"index": 0.25, "rings": 0.5}
+    with caplog.at_level(logging.INFO, logger="vllm_dist"):
+        progress.phase_done(engine, "rings", 0.5)
+    assert [r.getMessage() for r in caplog.records] == [
+        "weight-transfer set-up, consumer 0: serve rings ready (0.50 s)",
+        "weight-transfer set-up, consumer 0: ready in 0.75 s (index 0.25 s; rings 0.50 s)",
+    ]

@@ -28,7 +28,6 @@ from vllm_dist.interfaces.dataplane import (
     PreparedReadCommunicator,
     StridedReadCommunicator,
 )
-from vllm_dist.tasks.weight_transfer import progress
 from vllm_dist.tasks.weight_transfer._memory import CopyProgram
 from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
@@ -190,7 +189,6 @@ class WeightConsumer(EngineBase):
             path.connect()
         self._phase("rings")
         self.setup_seconds = time.perf_counter() - start
-        progress.setup_done(self)
 
     @gc_paused
     def join(self) -> None:

@@ -4,7 +4,8 @@ Producer 0 speaks for the fleet (index, plans checked, exposures, ready) and con
 consumer (loaders baked, plan, plans sent, ready), each phase as it ends: a fleet of thousands of
 ranks logs about a dozen lines, never one per rank or per weight. ``VLLM_DIST_LOG_LEVEL=INFO``
 shows them. Rejected: a fleet-wide summary gathered at the end, which would add a collective to
-set-up only to log it. Engines call ``phase_done`` from their phase timer and ``setup_done`` last.
+set-up only to log it. Engines call ``phase_done`` from their phase timer; a producer calls
+``setup_done`` last, a consumer's last phase (``rings``) stands for it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from vllm_dist.log import get_logger
 
 _log = get_logger(__name__)
+_CONSUMER_LAST = "rings"  # the phase that ends a consumer's set-up and join
 
 
 def _reporter(engine: Any) -> str | None:
@@ -64,10 +66,13 @@ def phase_done(engine: Any, phase: str, seconds: float) -> None:
         text = phase
     if text:
         _log.info("weight-transfer set-up, %s: %s (%.2f s)", who, text, seconds)
+    if phase == _CONSUMER_LAST and who.startswith("consumer"):
+        setup_done(engine, sum(getattr(engine, "setup_phases", {}).values()))
 
 
-def setup_done(engine: Any) -> None:
-    """``engine``'s set-up finished: its total and the time of each phase, from the reporter."""
+def setup_done(engine: Any, seconds: float | None = None) -> None:
+    """``engine``'s set-up finished after ``seconds`` (default: its ``setup_seconds``): the total
+    and the time of each phase, from the reporter."""
     if not _log.isEnabledFor(logging.INFO):
         return
     who = _reporter(engine)
@@ -75,5 +80,6 @@ def setup_done(engine: Any) -> None:
         return
     phases = getattr(engine, "setup_phases", {})
     detail = "; ".join(f"{name} {s:.2f} s" for name, s in phases.items())
-    seconds = getattr(engine, "setup_seconds", 0.0)
+    if seconds is None:
+        seconds = getattr(engine, "setup_seconds", 0.0)
     _log.info("weight-transfer set-up, %s: ready in %.2f s (%s)", who, seconds, detail)
