@@ -28,6 +28,11 @@ def _reporter(engine: Any) -> str | None:
     return None
 
 
+def _n(count: int, noun: str) -> str:
+    """``_n(1, "producer")`` -> ``"1 producer"``; ``_n(1200, "weight")`` -> ``"1,200 weights"``."""
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
 def _describe(engine: Any, who: str, phase: str) -> str | None:
     """What ending ``phase`` means, in words; None for phases not worth a line (those repeated
     per consumer are summed in the next one)."""
@@ -36,14 +41,15 @@ def _describe(engine: Any, who: str, phase: str) -> str | None:
     producer = who.startswith("producer")
     if phase == "index" and producer:
         names = len(engine.index.names)
-        return f"index built ({names:,} weights, {producers} producers, {consumers} consumers)"
+        fleet = f"{_n(producers, 'producer')}, {_n(consumers, 'consumer')}"
+        return f"index built ({_n(names, 'weight')}, {fleet})"
     if phase == "bake":
         return f"loaders baked ({len(engine.requests):,} weight pieces to receive)"
     if phase == "plan":
         return f"plan made ({len(engine.chunks):,} chunks)"
     return {
-        "send plans": f"plans sent to {producers} producers",
-        "verdicts, schedule": f"plans of {consumers} consumers checked; every rank accepted",
+        "send plans": f"plans sent to {_n(producers, 'producer')}",
+        "verdicts, schedule": f"plans of {_n(consumers, 'consumer')} checked; every rank accepted",
         "verdicts": "every rank accepted the plans",
         "share weights": "weights shared with same-host consumers",
         "expose": "exposures registered",
