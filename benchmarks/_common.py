@@ -14,7 +14,13 @@ from typing import Any
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written (its line breaks kept), each option's default after its help."""
+    """The description as written (its line breaks kept), each option's default after its help
+    (none for a flag or an unset option)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def make_parser(doc: str, *, whole: bool = False) -> argparse.ArgumentParser:

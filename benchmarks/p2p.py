@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB only")
     parser.add_argument("--min-mib", type=float, default=1, help="smallest transfer, MiB")
     parser.add_argument(
-        "--max-mib", type=float, default=None, help="largest transfer, MiB (sizes double)"
+        "--max-mib",
+        type=float,
+        default=None,
+        help="largest transfer, MiB (sizes double); default: 1024, 64 with --quick",
     )
     parser.add_argument("--out", default="bench_results/p2p.json", help="JSON path; PNG beside")
 
