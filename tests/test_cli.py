@@ -288,13 +288,19 @@ def test_info_text(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.timeout(240)
 def test_weight_transfer_runs_without_transformers(tmp_path: Path) -> None:
-    """The demo needs shapes, not transformers: the base install runs it; stdout is JSON only."""
+    """The demo needs shapes, not transformers: the base install runs it; stdout is JSON only,
+    also with NIXL loaded in every worker (where it is installed)."""
+    import importlib.util
+
+    comm = "nixl_rdt" if importlib.util.find_spec("nixl") else "torch_distributed"
     argv = ["run", "weight-transfer", "--producers", "1", "--consumers", "2", "--syncs", "2"]
+    argv += ["--communicator", comm]
     proc = run_cli_blocking(tmp_path, "transformers", *argv, "--json", timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["verified"] is True and summary["syncs"] == 2
     assert summary["seconds_per_sync"]["count"] == 2
+    assert summary["path"] == ("read" if comm == "nixl_rdt" else "send_recv")
 
 
 @pytest.mark.timeout(180)
