@@ -32,6 +32,7 @@ from vllm_dist.tasks.weight_transfer.dryrun import (
 from vllm_dist.tasks.weight_transfer.dryrun.models import DEEPSEEK_V3, LLAMA3_8B, QWEN3_235B_A22B
 from vllm_dist.tasks.weight_transfer.ops import replay
 from vllm_dist.tasks.weight_transfer.plan import build_chunks
+from vllm_dist.tasks.weight_transfer.router import RdtRouter
 from vllm_dist.tasks.weight_transfer.source import dtype_from_str
 
 # DeepSeek-V3 in miniature: MLA names, a dense first layer, 8 routed experts, a shared expert
@@ -215,3 +216,64 @@ def test_dry_run_plans_what_a_real_launch_moves() -> None:
             cid = r["index"]
             assert r["syncs"][0]["chunks"] == len(run.chunks[cid])
             assert r["syncs"][0]["bytes"] == sum(c.nbytes for c in run.chunks[cid])
+
+
+# -- the router's two rules ---------------------------------------------------------------------
+def _expert_router(balance: str) -> RdtRouter:
+    """8 producers: 2 expert shards x 4 owners each; replicas of 8 workers, 2 replicas."""
+    names = [f"layers.{g}.experts.{e}.w" for g in range(6) for e in range(4)]
+    return RdtRouter(
+        8,
+        16,
+        owner_sets=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        name_owner_class=[int(n.split(".")[3] >= "2") for n in names],
+        names=names,
+        group_lens=[4] * 6,
+        workers_per_replica=8,
+        balance=balance,
+    )
+
+
+@pytest.mark.parametrize("balance", ["block", "rotate"])
+def test_both_rules_keep_groups_whole_and_replicas_alike(balance: str) -> None:
+    r = _expert_router(balance)
+    r.validate()
+    for c in range(16):
+        for names in r.group_names:
+            for k in (0, 1):
+                of_class = [n for n in names if r.class_of(n) == k]
+                got = {r.producer_for(c, n) for n in of_class}
+                assert len(got) == 1 and got <= set(r.owner_sets[k])  # one owner per group
+                assert got == {r.producer_for(c % 8, n) for n in of_class}  # every replica alike
+
+
+def test_block_rule_is_the_default_and_rotate_spreads_neighbours() -> None:
+    block, rotate = _expert_router("block"), _expert_router("rotate")
+    assert RdtRouter(2, 2).balance == "block"
+    name = "layers.0.experts.0.w"
+    # DESIGN's rule: owners[block[g % len(block)]], block = assign_producer_indices(4, 8, w)
+    assert [block.producer_for(w, name) for w in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [rotate.producer_for(w, name) for w in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    later = "layers.1.experts.0.w"  # the next group turns the rotation by one
+    assert [rotate.producer_for(w, later) for w in range(4)] == [1, 2, 3, 0]
+    assert block.fingerprint() != rotate.fingerprint()  # a mixed fleet fails at set-up
+    wide = [RdtRouter(8, 4, names=["a"], balance=b) for b in ("block", "rotate")]
+    assert [wide[0].producer_for(c, "a") for c in range(4)] == [
+        wide[1].producer_for(c, "a") for c in range(4)
+    ]  # owners at least as many as workers: the block rule stands
+    with pytest.raises(ValueError, match="balance='even'"):
+        RdtRouter(2, 2, balance="even")
+
+
+def test_rotating_rule_balances_expert_parallel_consumers() -> None:
+    """Megatron producers (2 expert shards x TP 2) into TP-4 expert-parallel replicas: the
+    block rule sends neighbours to one owner, the engine's rule keeps max / mean load within
+    1.1 (one stage: a stage's bytes can only come from its own producers)."""
+    metas = model_metas({**TINY_DSV3, "num_hidden_layers": 9})
+    facts = producer_facts(metas, ProducerLayout(kind="megatron", tp=2, ep=2), 4)
+    layout_of = _layout_of(metas, 4, True)
+    block = dry_run(metas, facts, 8, 4, layout_of, balance="block")
+    rotate = dry_run(metas, facts, 8, 4, layout_of)  # the engine's rule
+    assert block.balance() > 1.3
+    assert rotate.balance() <= 1.1
+    assert sum(p.payload for p in block.pairs) == sum(p.payload for p in rotate.pairs)

@@ -6,6 +6,15 @@ block of producers (``assign_producer_indices``) and spreads its gather groups o
 so every name of a group comes from one producer and worker i of every inference replica resolves
 the same producer (replicas then read identical bytes from identical places).
 
+Two rules pick the producer. ``balance="block"`` (the default, DESIGN's rule) gives worker w the
+block ``assign_producer_indices(len(owners), workers, w)``. Where a class has fewer owners than a
+replica has workers, that block is one owner for every group, and expert-parallel consumers make
+it lopsided: the workers that need one expert shard are neighbours, so they all land on one owner.
+``balance="rotate"`` (what the engine uses) keeps the block rule where owners are at least as
+many as workers and otherwise takes ``owners[(w + g) % len(owners)]`` for group g, spreading
+neighbours and groups over every owner. Rejected: routing by the bytes each worker needs, which
+producers cannot know before the plans arrive (both sides must resolve routes alone).
+
 The router is pure data plus, after ``bind``, a thin send side: ``produce_methods[i]`` is a
 callable ``(verb, consumer_id, *args)`` that reaches producer i (an actor method, a control
 message), so the same routing drives Ray actors and communicator ranks alike.
@@ -17,6 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 ProduceMethod = Callable[..., Any]
+
+BALANCE_RULES = ("block", "rotate")
+"""The routing rules ``RdtRouter(balance=...)`` accepts (see the module docstring)."""
+ENGINE_BALANCE = "rotate"
+"""The rule the weight-transfer engine (and its dry run) routes by."""
 
 
 def assign_producer_indices(num_producers: int, num_consumers: int, consumer_idx: int) -> list[int]:
@@ -45,10 +59,12 @@ class RdtRouter:
         names: the model's names, in gather order.
         group_lens: cuts ``names`` into consecutive gather groups.
         workers_per_replica: consumers per inference replica (0 = the whole fleet is one replica).
+        balance: ``"block"`` (DESIGN's rule) or ``"rotate"`` (spreads a class with fewer owners
+            than workers over every owner, group by group); see the module docstring.
 
     Raises:
-        ValueError: ``workers_per_replica`` does not divide ``num_consumers`` (or exceeds it), or
-            ``group_lens`` does not cut ``names``.
+        ValueError: ``workers_per_replica`` does not divide ``num_consumers`` (or exceeds it),
+            ``group_lens`` does not cut ``names``, or ``balance`` is not a known rule.
     """
 
     def __init__(
@@ -60,7 +76,12 @@ class RdtRouter:
         names: Sequence[str] | None = None,
         group_lens: Sequence[int] | None = None,
         workers_per_replica: int = 0,
+        *,
+        balance: str = "block",
     ) -> None:
+        if balance not in BALANCE_RULES:
+            raise ValueError(f"balance={balance!r}: use one of {', '.join(BALANCE_RULES)}")
+        self.balance = balance
         if num_producers < 0 or num_consumers < 0:
             raise ValueError(f"negative fleet size: {num_producers} producers, {num_consumers}")
         self.num_producers = num_producers
@@ -175,18 +196,23 @@ class RdtRouter:
                     f"name {name!r}: owner class {owner_class} does not exist; call validate()"
                 )
             owners = self._check_owner_set(owner_class)
-            block = assign_producer_indices(len(owners), b, key[0])
-            p = self._routes[key] = owners[block[group % len(block)]]
+            if self.balance == "rotate" and len(owners) < b:
+                p = owners[(key[0] + group) % len(owners)]
+            else:
+                block = assign_producer_indices(len(owners), b, key[0])
+                p = owners[block[group % len(block)]]
+            self._routes[key] = p
         return p
 
     def fingerprint(self) -> tuple[Any, ...]:
         """What two deployments must agree on for their routes to agree."""
-        return (
+        common = (
             self.num_producers,
             self.num_consumers,
             self.workers_per_replica,
             tuple(tuple(s) for s in self.owner_sets),
         )
+        return common if self.balance == "block" else (*common, self.balance)
 
     # -- send side -----------------------------------------------------------------------------
     def bind(

@@ -24,6 +24,7 @@ from vllm_dist.tasks.weight_transfer.dryrun.linkmodel import (
 )
 from vllm_dist.tasks.weight_transfer.dryrun.models import MODELS, model_bytes, model_metas
 from vllm_dist.tasks.weight_transfer.dryrun.simulate import DryRun, dry_run
+from vllm_dist.tasks.weight_transfer.router import ENGINE_BALANCE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +57,7 @@ def plan_fleet(
     *,
     measure_memory: bool = True,
     link: LinkModel | None = None,
-    rotate: bool = False,
+    balance: str = ENGINE_BALANCE,
 ) -> tuple[dict[str, Any], DryRun]:
     """Dry-run ``spec``; a JSON-ready report and the run itself."""
     start = time.perf_counter()
@@ -77,13 +78,14 @@ def plan_fleet(
         strided=spec.strided,
         sample=spec.sample,
         measure_memory=measure_memory,
-        rotate=rotate,
+        balance=balance,
     )
     link = link or PRESETS[spec.link]
     report = _report(spec, run, link, model_bytes(metas))
     report["metadata_s"] = build_s
-    if rotate:
-        report["fleet"] += " [rotating router]"
+    report["balance"] = balance
+    if balance != ENGINE_BALANCE:
+        report["fleet"] += f" [{balance} router]"
     report["wall_s"] = time.perf_counter() - start
     return report, run
 
