@@ -257,10 +257,17 @@ def test_block_rule_is_the_default_and_rotate_spreads_neighbours() -> None:
     later = "layers.1.experts.0.w"  # the next group turns the rotation by one
     assert [rotate.producer_for(w, later) for w in range(4)] == [1, 2, 3, 0]
     assert block.fingerprint() != rotate.fingerprint()  # a mixed fleet fails at set-up
-    wide = [RdtRouter(8, 4, names=["a"], balance=b) for b in ("block", "rotate")]
-    assert [wide[0].producer_for(c, "a") for c in range(4)] == [
-        wide[1].producer_for(c, "a") for c in range(4)
-    ]  # owners at least as many as workers: the block rule stands
+    # owners at least as many as workers: each worker's groups, by bytes, cut into equal pieces
+    names = [f"layers.{g}.a" for g in range(6)]
+
+    def wide(n: int, b: int, balance: str) -> list[list[int]]:
+        r = RdtRouter(n, b, names=names, group_lens=[1] * 6, balance=balance, name_bytes=[9] * 6)
+        return [[r.producer_for(w, x) for x in names] for w in range(b)]
+
+    assert wide(4, 2, "rotate") == [[0, 0, 0, 1, 1, 1], [2, 2, 2, 3, 3, 3]]  # block's owners
+    assert wide(4, 2, "block") == [[0, 1, 0, 1, 0, 1], [2, 3, 2, 3, 2, 3]]
+    loads = [sum(row.count(p) for row in wide(3, 2, "rotate")) for p in range(3)]
+    assert loads == [4, 4, 4]  # where the block rule gives blocks of 1 and 2 producers
     with pytest.raises(ValueError, match="balance='even'"):
         RdtRouter(2, 2, balance="even")
 
@@ -277,3 +284,24 @@ def test_rotating_rule_balances_expert_parallel_consumers() -> None:
     assert block.balance() > 1.3
     assert rotate.balance() <= 1.1
     assert sum(p.payload for p in block.pairs) == sum(p.payload for p in rotate.pairs)
+
+
+@pytest.mark.parametrize("kind", ["whole", "megatron"])
+def test_a_rank_receives_the_model_once(kind: str) -> None:
+    """What all_gather_object hands each rank: one copy of the metadata (producer 0's) and a
+    digest plus held weights from every other producer, not P copies of the model."""
+    import pickle
+
+    metas = model_metas(TINY_DSV3)
+    layout = ProducerLayout(kind=kind, tp=2, pp=2, ep=2)
+    facts = producer_facts(metas, layout, 16)
+    sizes = [len(pickle.dumps(f)) for f in facts]
+    assert facts[0].ships_metadata and not any(f.ships_metadata for f in facts[1:])
+    if kind == "whole":
+        assert max(sizes[1:]) < 200  # a digest, whatever the model's size
+    else:  # each holds a quarter of the model; compressed
+        assert max(sizes[1:]) < sizes[0] / 4
+    gathered = [pickle.loads(pickle.dumps(f)) for f in facts]
+    run = dry_run(metas, facts, 4, 2, _layout_of(metas, 2, True))
+    assert gathered[1].metadata is None and run.gather_bytes is None
+    assert run.pairs == dry_run(metas, facts, 4, 2, _layout_of(metas, 2, True), wire=False).pairs

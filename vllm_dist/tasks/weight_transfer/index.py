@@ -9,6 +9,7 @@ shards, not with the fleet.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from vllm_dist.tasks.weight_transfer.messages import (
     metadata_digest,
 )
 from vllm_dist.tasks.weight_transfer.router import RdtRouter
-from vllm_dist.tasks.weight_transfer.source import WeightMeta
+from vllm_dist.tasks.weight_transfer.source import WeightMeta, dtype_from_str
 
 __all__ = ["ModelIndex", "ProducerFacts", "build_index"]
 
@@ -85,6 +86,11 @@ def build_index(
     classes: dict[int, int] = {}  # owner list (by identity) -> class, in gather order
     name_class = [classes.setdefault(id(holders[n]), len(classes)) for n in names]
     by_id = {id(o): o for o in owners_of}
+    shape_table: dict[tuple[tuple[int, ...], str], int] = {}
+    shape_ids = [
+        shape_table.setdefault((meta[n].shape, meta[n].dtype), len(shape_table)) for n in names
+    ]
+    item_bytes = [math.prod(shape) * dtype_from_str(dtype).itemsize for shape, dtype in shape_table]
     router = RdtRouter(
         len(facts),
         num_consumers,
@@ -94,12 +100,9 @@ def build_index(
         group_lens=[len(g) for g in groups],
         workers_per_replica=workers_per_replica,
         balance=balance,
+        name_bytes=(np.asarray(item_bytes, dtype=np.int64)[shape_ids]).tolist(),
     )
     router.validate()
-    shape_table: dict[tuple[tuple[int, ...], str], int] = {}
-    shape_ids = [
-        shape_table.setdefault((meta[n].shape, meta[n].dtype), len(shape_table)) for n in names
-    ]
     return ModelIndex(
         names=names,
         meta=meta,

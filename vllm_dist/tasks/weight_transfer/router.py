@@ -10,10 +10,13 @@ Two rules pick the producer. ``balance="block"`` (the default, DESIGN's rule) gi
 block ``assign_producer_indices(len(owners), workers, w)``. Where a class has fewer owners than a
 replica has workers, that block is one owner for every group, and expert-parallel consumers make
 it lopsided: the workers that need one expert shard are neighbours, so they all land on one owner.
-``balance="rotate"`` (what the engine uses) keeps the block rule where owners are at least as
-many as workers and otherwise takes ``owners[(w + g) % len(owners)]`` for group g, spreading
-neighbours and groups over every owner. Rejected: routing by the bytes each worker needs, which
-producers cannot know before the plans arrive (both sides must resolve routes alone).
+``balance="rotate"`` (what the engine uses) takes ``owners[(w + g) % len(owners)]`` for group g
+where owners are fewer than workers, spreading neighbours and groups over every owner; where
+they are at least as many, it lays every worker's groups of the class end to end, weighted by
+their bytes, and cuts that line into one equal piece per owner, so uneven blocks (24 owners, 16
+workers) and uneven groups (embeddings) stay balanced while a worker still reaches few owners.
+Rejected: routing by the bytes each worker needs, which producers cannot know before the plans
+arrive (both sides must resolve routes alone from the shared index).
 
 The router is pure data plus, after ``bind``, a thin send side: ``produce_methods[i]`` is a
 callable ``(verb, consumer_id, *args)`` that reaches producer i (an actor method, a control
@@ -59,8 +62,10 @@ class RdtRouter:
         names: the model's names, in gather order.
         group_lens: cuts ``names`` into consecutive gather groups.
         workers_per_replica: consumers per inference replica (0 = the whole fleet is one replica).
-        balance: ``"block"`` (DESIGN's rule) or ``"rotate"`` (spreads a class with fewer owners
-            than workers over every owner, group by group); see the module docstring.
+        balance: ``"block"`` (DESIGN's rule) or ``"rotate"`` (balanced); see the module
+            docstring.
+        name_bytes: ``name_bytes[i]`` is the size of ``names[i]``; the rotating rule weighs
+            groups by it where owners are at least as many as workers (missing = 1 per name).
 
     Raises:
         ValueError: ``workers_per_replica`` does not divide ``num_consumers`` (or exceeds it),
@@ -78,10 +83,13 @@ class RdtRouter:
         workers_per_replica: int = 0,
         *,
         balance: str = "block",
+        name_bytes: Sequence[int] | None = None,
     ) -> None:
         if balance not in BALANCE_RULES:
             raise ValueError(f"balance={balance!r}: use one of {', '.join(BALANCE_RULES)}")
         self.balance = balance
+        self._bytes = list(name_bytes or [])
+        self._line: dict[int, dict[int, tuple[int, int]]] | None = None
         if num_producers < 0 or num_consumers < 0:
             raise ValueError(f"negative fleet size: {num_producers} producers, {num_consumers}")
         self.num_producers = num_producers
@@ -198,11 +206,41 @@ class RdtRouter:
             owners = self._check_owner_set(owner_class)
             if self.balance == "rotate" and len(owners) < b:
                 p = owners[(key[0] + group) % len(owners)]
+            elif self.balance == "rotate":
+                p = owners[self._cut(key[0], owner_class, group, len(owners))]
             else:
                 block = assign_producer_indices(len(owners), b, key[0])
                 p = owners[block[group % len(block)]]
             self._routes[key] = p
         return p
+
+    def _cut(self, worker: int, owner_class: int, group: int, n: int) -> int:
+        """The owner index of (worker, group) when the class's groups of every worker, laid
+        end to end in bytes, are cut into ``n`` equal pieces: each owner serves an equal share,
+        and a worker reaches only the few owners its stretch of the line crosses."""
+        if self._line is None:
+            self._line = self._class_lines()
+        mid2, total = self._line[owner_class].get(group, (0, 1))
+        b = self.workers_per_replica
+        return min(n - 1, (worker * 2 * total + mid2) * n // (b * 2 * total))
+
+    def _class_lines(self) -> dict[int, dict[int, tuple[int, int]]]:
+        """Per class, per group: twice the midpoint of the group's bytes on the class's line
+        (groups in order), and the line's length. Missing bytes count as 1 per name."""
+        sizes: dict[int, dict[int, int]] = {}
+        for i, name in enumerate(self.names):
+            k, g = self._class[name], self._group.get(name, 0)
+            nbytes = self._bytes[i] if i < len(self._bytes) else 1
+            per_group = sizes.setdefault(k, {})
+            per_group[g] = per_group.get(g, 0) + max(1, nbytes)
+        lines: dict[int, dict[int, tuple[int, int]]] = {}
+        for k, per_group in sizes.items():
+            total, start, line = sum(per_group.values()), 0, {}
+            for g in sorted(per_group):
+                line[g] = (2 * start + per_group[g], total)
+                start += per_group[g]
+            lines[k] = line
+        return lines
 
     def fingerprint(self) -> tuple[Any, ...]:
         """What two deployments must agree on for their routes to agree."""
