@@ -1,10 +1,10 @@
 """RdtRouter: which producer serves each weight to each consumer.
 
 Ownership is per name: producers that hold the same names form an *owner class* (a pipeline
-stage, an expert shard), and a name can only come from one of its owners. A consumer binds a
-block of producers (``assign_producer_indices``) and spreads its gather groups over that block,
-so every name of a group comes from one producer and worker i of every inference replica resolves
-the same producer (replicas then read identical bytes from identical places).
+stage, an expert shard), and a name can only come from one of its owners. A route depends on
+(worker in its replica, owner class, gather group) only, so every name of a group comes from
+one producer and worker i of every inference replica resolves the same producer (replicas then
+read identical bytes from identical places).
 
 Two rules pick the producer. ``balance="block"`` (the default, DESIGN's rule) gives worker w the
 block ``assign_producer_indices(len(owners), workers, w)``. Where a class has fewer owners than a
