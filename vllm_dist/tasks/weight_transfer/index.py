@@ -18,7 +18,7 @@ import numpy as np
 from vllm_dist.tasks.weight_transfer.groups import layerwise_groups
 from vllm_dist.tasks.weight_transfer.messages import (
     ProducerFacts,
-    decode_held,
+    decode_held_columns,
     metadata_digest,
 )
 from vllm_dist.tasks.weight_transfer.router import RdtRouter
@@ -153,9 +153,12 @@ def _merge(
         else:
             names = decoded.get(f.held_blob)
             if names is None:
-                metas = decode_held(f.held_blob, f"producer {p}'s facts")
-                _add(meta, metas, p)
-                names = decoded[f.held_blob] = frozenset(m.name for m in metas)
+                columns = decode_held_columns(f.held_blob, f"producer {p}'s facts")
+                for name, dtype, shape in zip(*columns, strict=True):
+                    m = meta.get(name)  # known and alike: nothing to build
+                    if m is None or m.dtype != dtype or m.shape != shape:
+                        _add(meta, [WeightMeta(name=name, dtype=dtype, shape=shape)], p)
+                names = decoded[f.held_blob] = frozenset(columns[0])
             held.append(names)
     return meta, held
 

@@ -201,6 +201,16 @@ def encode_held(metas: Sequence[WeightMeta]) -> bytes:
 
 def decode_held(blob: bytes, what: str) -> list[WeightMeta]:
     """The weights ``encode_held`` wrote; ``MessageError`` for anything else."""
+    return [
+        WeightMeta(name=n, dtype=d, shape=s)
+        for n, d, s in zip(*decode_held_columns(blob, what), strict=True)
+    ]
+
+
+def decode_held_columns(
+    blob: bytes, what: str
+) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
+    """``decode_held`` as (names, dtypes, shapes) columns, without a ``WeightMeta`` each."""
     try:
         inflate = zlib.decompressobj()
         raw = inflate.decompress(blob, MAX_HELD_BYTES)
@@ -229,11 +239,11 @@ def decode_held(blob: bytes, what: str) -> list[WeightMeta]:
         or any(d < 0 for d in dims)
     ):
         raise MessageError(f"{what}: malformed held names (counts and lengths disagree)")
-    out, start = [], 0
-    for name, k, nd in zip(names, dtype_ids, ndims, strict=True):
-        out.append(WeightMeta(name=name, dtype=dtypes[k], shape=tuple(dims[start : start + nd])))
+    shapes, start = [], 0
+    for nd in ndims:
+        shapes.append(tuple(dims[start : start + nd]))
         start += nd
-    return out
+    return names, [dtypes[k] for k in dtype_ids], shapes
 
 
 @dataclass(frozen=True, slots=True)
