@@ -32,7 +32,7 @@ from vllm_dist.tasks.weight_transfer.dryrun import (
 from vllm_dist.tasks.weight_transfer.dryrun.models import DEEPSEEK_V3, LLAMA3_8B, QWEN3_235B_A22B
 from vllm_dist.tasks.weight_transfer.ops import replay
 from vllm_dist.tasks.weight_transfer.plan import build_chunks
-from vllm_dist.tasks.weight_transfer.router import RdtRouter
+from vllm_dist.tasks.weight_transfer.router import ENGINE_BALANCE, RdtRouter
 from vllm_dist.tasks.weight_transfer.source import dtype_from_str
 
 # DeepSeek-V3 in miniature: MLA names, a dense first layer, 8 routed experts, a shared expert
@@ -106,7 +106,7 @@ def test_plan_is_the_engines_plan_and_bytes_add_up(kind: str) -> None:
     run = dry_run(metas, facts, 4, 2, _layout_of(metas, 2, True), measure_memory=True)
     from vllm_dist.tasks.weight_transfer.index import build_index
 
-    index = build_index(facts, 4, 2)
+    index = build_index(facts, 4, 2, balance=ENGINE_BALANCE)
     config = TransferConfig(workers_per_replica=2)
     for cid in range(4):
         consumer_requests = _requests(metas, cid % 2)
