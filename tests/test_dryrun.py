@@ -254,8 +254,15 @@ def test_block_rule_is_the_default_and_rotate_spreads_neighbours() -> None:
     # DESIGN's rule: owners[block[g % len(block)]], block = assign_producer_indices(4, 8, w)
     assert [block.producer_for(w, name) for w in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [rotate.producer_for(w, name) for w in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    later = "layers.1.experts.0.w"  # the next group turns the rotation by one
-    assert [rotate.producer_for(w, later) for w in range(4)] == [1, 2, 3, 0]
+    # the next group turns by the workers likely to need the class: 8 workers over 2 disjoint
+    # classes of 4 owners, so 4 (a full turn here: workers 0-3 tile the owners already)
+    later = "layers.1.experts.0.w"
+    assert [rotate.producer_for(w, later) for w in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    one = RdtRouter(3, 4, names=["layers.0.a", "layers.1.a"], group_lens=[1, 1], balance="rotate")
+    assert [[one.producer_for(w, n) for w in range(4)] for n in one.names] == [
+        [0, 1, 2, 0],
+        [1, 2, 0, 1],  # a lone class: all 4 workers need it, so a turn of 4 = 1 mod 3
+    ]
     assert block.fingerprint() != rotate.fingerprint()  # a mixed fleet fails at set-up
     # owners at least as many as workers: each worker's groups, by bytes, cut into equal pieces
     names = [f"layers.{g}.a" for g in range(6)]

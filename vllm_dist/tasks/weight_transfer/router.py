@@ -10,8 +10,10 @@ Two rules pick the producer. ``balance="block"`` (the default, DESIGN's rule) gi
 block ``assign_producer_indices(len(owners), workers, w)``. Where a class has fewer owners than a
 replica has workers, that block is one owner for every group, and expert-parallel consumers make
 it lopsided: the workers that need one expert shard are neighbours, so they all land on one owner.
-``balance="rotate"`` (what the engine uses) takes ``owners[(w + g) % len(owners)]`` for group g
-where owners are fewer than workers, spreading neighbours and groups over every owner; where
+``balance="rotate"`` (what the engine uses) takes ``owners[(w + g * s) % len(owners)]`` for group
+g where owners are fewer than workers, s being the workers likely to need the class (a replica
+over the class and its disjoint siblings, e.g. the other expert shards), so neighbours spread
+over every owner and consecutive groups tile the owners; where
 they are at least as many, it lays every worker's groups of the class end to end, weighted by
 their bytes, and cuts that line into one equal piece per owner, so uneven blocks (24 owners, 16
 workers) and uneven groups (embeddings) stay balanced while a worker still reaches few owners.
@@ -90,6 +92,7 @@ class RdtRouter:
         self.balance = balance
         self._bytes = list(name_bytes or [])
         self._line: dict[int, dict[int, tuple[int, int]]] | None = None
+        self._strides: dict[int, int] | None = None
         if num_producers < 0 or num_consumers < 0:
             raise ValueError(f"negative fleet size: {num_producers} producers, {num_consumers}")
         self.num_producers = num_producers
@@ -205,7 +208,7 @@ class RdtRouter:
                 )
             owners = self._check_owner_set(owner_class)
             if self.balance == "rotate" and len(owners) < b:
-                p = owners[(key[0] + group) % len(owners)]
+                p = owners[(key[0] + group * self._stride(owner_class)) % len(owners)]
             elif self.balance == "rotate":
                 p = owners[self._cut(key[0], owner_class, group, len(owners))]
             else:
@@ -213,6 +216,30 @@ class RdtRouter:
                 p = owners[block[group % len(block)]]
             self._routes[key] = p
         return p
+
+    def _stride(self, owner_class: int) -> int:
+        """How far the rotation turns per group: the workers likely to need the class (a
+        replica's workers over the class and its disjoint siblings of as many owners, e.g. the
+        other expert shards), so consecutive groups tile the owners instead of overlapping."""
+        if self._strides is None:
+            groups_of: dict[int, set[int]] = {}
+            classes_in: dict[int, set[int]] = {}
+            for name, k in self._class.items():
+                g = self._group.get(name, 0)
+                groups_of.setdefault(k, set()).add(g)
+                classes_in.setdefault(g, set()).add(k)
+            self._strides = {}
+            for k, groups in groups_of.items():
+                mine = set(self.owner_sets[k])
+                near = {j for g in groups for j in classes_in[g]}
+                siblings = sum(
+                    1
+                    for j in near
+                    if len(self.owner_sets[j]) == len(mine)
+                    and (j == k or not mine.intersection(self.owner_sets[j]))
+                )
+                self._strides[k] = max(1, self.workers_per_replica // siblings)
+        return self._strides.get(owner_class, 1)
 
     def _cut(self, worker: int, owner_class: int, group: int, n: int) -> int:
         """The owner index of (worker, group) when the class's groups of every worker, laid
