@@ -32,6 +32,7 @@ from vllm_dist.tasks.weight_transfer.dryrun import (
 from vllm_dist.tasks.weight_transfer.dryrun.models import DEEPSEEK_V3, LLAMA3_8B, QWEN3_235B_A22B
 from vllm_dist.tasks.weight_transfer.ops import replay
 from vllm_dist.tasks.weight_transfer.plan import build_chunks
+from vllm_dist.tasks.weight_transfer.router import ENGINE_BALANCE, RdtRouter
 from vllm_dist.tasks.weight_transfer.source import dtype_from_str
 
 # DeepSeek-V3 in miniature: MLA names, a dense first layer, 8 routed experts, a shared expert
@@ -105,7 +106,7 @@ def test_plan_is_the_engines_plan_and_bytes_add_up(kind: str) -> None:
     run = dry_run(metas, facts, 4, 2, _layout_of(metas, 2, True), measure_memory=True)
     from vllm_dist.tasks.weight_transfer.index import build_index
 
-    index = build_index(facts, 4, 2)
+    index = build_index(facts, 4, 2, balance=ENGINE_BALANCE)
     config = TransferConfig(workers_per_replica=2)
     for cid in range(4):
         consumer_requests = _requests(metas, cid % 2)
@@ -215,3 +216,99 @@ def test_dry_run_plans_what_a_real_launch_moves() -> None:
             cid = r["index"]
             assert r["syncs"][0]["chunks"] == len(run.chunks[cid])
             assert r["syncs"][0]["bytes"] == sum(c.nbytes for c in run.chunks[cid])
+
+
+# -- the router's two rules ---------------------------------------------------------------------
+def _expert_router(balance: str) -> RdtRouter:
+    """8 producers: 2 expert shards x 4 owners each; replicas of 8 workers, 2 replicas."""
+    names = [f"layers.{g}.experts.{e}.w" for g in range(6) for e in range(4)]
+    return RdtRouter(
+        8,
+        16,
+        owner_sets=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        name_owner_class=[int(n.split(".")[3] >= "2") for n in names],
+        names=names,
+        group_lens=[4] * 6,
+        workers_per_replica=8,
+        balance=balance,
+    )
+
+
+@pytest.mark.parametrize("balance", ["block", "rotate"])
+def test_both_rules_keep_groups_whole_and_replicas_alike(balance: str) -> None:
+    r = _expert_router(balance)
+    r.validate()
+    for c in range(16):
+        for names in r.group_names:
+            for k in (0, 1):
+                of_class = [n for n in names if r.class_of(n) == k]
+                got = {r.producer_for(c, n) for n in of_class}
+                assert len(got) == 1 and got <= set(r.owner_sets[k])  # one owner per group
+                assert got == {r.producer_for(c % 8, n) for n in of_class}  # every replica alike
+
+
+def test_block_rule_is_the_default_and_rotate_spreads_neighbours() -> None:
+    block, rotate = _expert_router("block"), _expert_router("rotate")
+    assert RdtRouter(2, 2).balance == "block"
+    name = "layers.0.experts.0.w"
+    # DESIGN's rule: owners[block[g % len(block)]], block = assign_producer_indices(4, 8, w)
+    assert [block.producer_for(w, name) for w in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [rotate.producer_for(w, name) for w in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    # the next group turns by the workers likely to need the class: 8 workers over 2 disjoint
+    # classes of 4 owners, so 4 (a full turn here: workers 0-3 tile the owners already)
+    later = "layers.1.experts.0.w"
+    assert [rotate.producer_for(w, later) for w in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    one = RdtRouter(3, 4, names=["layers.0.a", "layers.1.a"], group_lens=[1, 1], balance="rotate")
+    assert [[one.producer_for(w, n) for w in range(4)] for n in one.names] == [
+        [0, 1, 2, 0],
+        [1, 2, 0, 1],  # a lone class: all 4 workers need it, so a turn of 4 = 1 mod 3
+    ]
+    assert block.fingerprint() != rotate.fingerprint()  # a mixed fleet fails at set-up
+    # owners at least as many as workers: each worker's groups, by bytes, cut into equal pieces
+    names = [f"layers.{g}.a" for g in range(6)]
+
+    def wide(n: int, b: int, balance: str) -> list[list[int]]:
+        r = RdtRouter(n, b, names=names, group_lens=[1] * 6, balance=balance, name_bytes=[9] * 6)
+        return [[r.producer_for(w, x) for x in names] for w in range(b)]
+
+    assert wide(4, 2, "rotate") == [[0, 0, 0, 1, 1, 1], [2, 2, 2, 3, 3, 3]]  # block's owners
+    assert wide(4, 2, "block") == [[0, 1, 0, 1, 0, 1], [2, 3, 2, 3, 2, 3]]
+    loads = [sum(row.count(p) for row in wide(3, 2, "rotate")) for p in range(3)]
+    assert loads == [4, 4, 4]  # where the block rule gives blocks of 1 and 2 producers
+    with pytest.raises(ValueError, match="balance='even'"):
+        RdtRouter(2, 2, balance="even")
+
+
+def test_rotating_rule_balances_expert_parallel_consumers() -> None:
+    """Megatron producers (2 expert shards x TP 2) into TP-4 expert-parallel replicas: the
+    block rule sends neighbours to one owner, the engine's rule keeps max / mean load within
+    1.1 (one stage: a stage's bytes can only come from its own producers)."""
+    metas = model_metas({**TINY_DSV3, "num_hidden_layers": 9})
+    facts = producer_facts(metas, ProducerLayout(kind="megatron", tp=2, ep=2), 4)
+    layout_of = _layout_of(metas, 4, True)
+    block = dry_run(metas, facts, 8, 4, layout_of, balance="block")
+    rotate = dry_run(metas, facts, 8, 4, layout_of)  # the engine's rule
+    assert block.balance() > 1.3
+    assert rotate.balance() <= 1.1
+    assert sum(p.payload for p in block.pairs) == sum(p.payload for p in rotate.pairs)
+
+
+@pytest.mark.parametrize("kind", ["whole", "megatron"])
+def test_a_rank_receives_the_model_once(kind: str) -> None:
+    """What all_gather_object hands each rank: one copy of the metadata (producer 0's) and a
+    digest plus held weights from every other producer, not P copies of the model."""
+    import pickle
+
+    metas = model_metas(TINY_DSV3)
+    layout = ProducerLayout(kind=kind, tp=2, pp=2, ep=2)
+    facts = producer_facts(metas, layout, 16)
+    sizes = [len(pickle.dumps(f)) for f in facts]
+    assert facts[0].ships_metadata and not any(f.ships_metadata for f in facts[1:])
+    if kind == "whole":
+        assert max(sizes[1:]) < 200  # a digest, whatever the model's size
+    else:  # each holds a quarter of the model; compressed
+        assert max(sizes[1:]) < sizes[0] / 4
+    gathered = [pickle.loads(pickle.dumps(f)) for f in facts]
+    run = dry_run(metas, facts, 4, 2, _layout_of(metas, 2, True))
+    assert gathered[1].metadata is None and run.gather_bytes is None
+    assert run.pairs == dry_run(metas, facts, 4, 2, _layout_of(metas, 2, True), wire=False).pairs

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
 import struct
+import zlib
+from typing import Any
 
 import pytest
 
+from vllm_dist.tasks.weight_transfer.index import build_index
 from vllm_dist.tasks.weight_transfer.messages import (
     MAX_DESCRIPTOR,
     SPREAD,
@@ -14,14 +18,19 @@ from vllm_dist.tasks.weight_transfer.messages import (
     Announcement,
     Done,
     MessageError,
+    ProducerFacts,
     Ready,
     ReadyCodec,
     Replay,
     decode_consumer_message,
+    decode_held,
     encode_alive,
     encode_done,
+    encode_held,
     encode_replay,
+    metadata_digest,
 )
+from vllm_dist.tasks.weight_transfer.source import WeightMeta
 
 _DESC = b'{"v":1,"name":"wt-src-p0-1"}'  # opaque to the codec: the communicator reads it
 _ANNOUNCEMENTS = [
@@ -117,3 +126,84 @@ def test_bad_descriptor_lengths_are_refused() -> None:
         ReadyCodec().decode(_with_descriptor_length(0), "test")
     with pytest.raises(MessageError, match="malformed 'ready'"):
         ReadyCodec().decode(msg[: msg.index(_DESC) - 2], "test")  # cut in the length itself
+
+
+# -- producer facts --------------------------------------------------------------------------------
+_METAS = tuple(
+    WeightMeta(name=f"layers.{i // 2}.w{i % 2}", dtype="torch.bfloat16", shape=(4, i + 1))
+    for i in range(8)
+)
+
+
+def _wire(facts: ProducerFacts) -> ProducerFacts:
+    back = pickle.loads(pickle.dumps(facts))  # our own bytes, as all_gather_object hands them
+    assert isinstance(back, ProducerFacts)
+    return back
+
+
+def test_facts_ship_the_metadata_once() -> None:
+    held = frozenset(m.name for m in _METAS[:4])
+    shipped = _wire(ProducerFacts(metadata=_METAS, held=held))
+    assert shipped.metadata == _METAS and shipped.held == held
+    light = _wire(ProducerFacts(metadata=_METAS, held=held, ships_metadata=False))
+    assert light.metadata is None and light.digest == metadata_digest(_METAS)
+    assert light.held_blob is not None and decode_held(light.held_blob, "test") == list(_METAS[:4])
+    everything = _wire(ProducerFacts(metadata=_METAS, held=None, ships_metadata=False))
+    assert everything.held_blob is None and everything.held is None
+    assert _wire(light) == light  # a joining consumer gets them again from producer 0
+    assert len(pickle.dumps(everything)) < 200  # a digest, not the model
+
+
+def test_facts_from_many_producers_build_the_same_index() -> None:
+    halves = [frozenset(m.name for m in _METAS[:4]), frozenset(m.name for m in _METAS[4:])]
+    facts = [
+        ProducerFacts(metadata=_METAS, held=halves[p % 2], ships_metadata=p == 0) for p in range(4)
+    ]
+    wired = build_index([_wire(f) for f in facts], 2, 2)
+    local = build_index(facts, 2, 2)
+    assert wired.holders == local.holders and wired.names == local.names
+    assert wired.router.owner_sets == [[0, 2], [1, 3]]
+    assert wired.holders["layers.3.w1"] == [1, 3]
+
+
+def test_facts_that_disagree_are_refused() -> None:
+    other = (*_METAS[:-1], WeightMeta(name=_METAS[-1].name, dtype="torch.float32", shape=(4, 8)))
+    ok = ProducerFacts(metadata=_METAS, held=None)
+    with pytest.raises(ValueError, match="describes another model"):
+        build_index(
+            [ok, _wire(ProducerFacts(metadata=other, held=None, ships_metadata=False))], 1, 0
+        )
+    mine = frozenset([other[-1].name])
+    with pytest.raises(ValueError, match="disagree on weight 'layers.3.w1'"):
+        build_index(
+            [ok, _wire(ProducerFacts(metadata=other, held=mine, ships_metadata=False))], 1, 0
+        )
+    light = _wire(ProducerFacts(metadata=_METAS, held=None, ships_metadata=False))
+    with pytest.raises(ValueError, match="must ship it"):
+        build_index([light, light], 1, 0)
+
+
+def test_malformed_facts_are_refused() -> None:
+    blob = encode_held(list(_METAS))
+    assert decode_held(blob, "test") == list(_METAS)
+    with pytest.raises(MessageError, match="malformed held names"):
+        decode_held(blob[:-3], "test")
+    with pytest.raises(MessageError, match="malformed held names"):
+        decode_held(zlib.compress(zlib.decompress(blob) + b"\0"), "test")
+    with pytest.raises(MessageError, match="malformed held names"):
+        decode_held(b"not zlib", "test")
+    with pytest.raises(MessageError, match="32-byte digest"):
+        ProducerFacts(metadata=None, held=None, digest=b"short")
+    with pytest.raises(MessageError, match="must be bytes"):
+        pickle.loads(_facts_bad())
+
+
+def _facts_bad() -> bytes:
+    """A pickle of facts whose digest is not bytes (what a confused peer could send)."""
+    from vllm_dist.tasks.weight_transfer import messages
+
+    class Bad:
+        def __reduce__(self) -> Any:
+            return (messages._facts_from_wire, ("digest", None))
+
+    return pickle.dumps(Bad())

@@ -1,45 +1,30 @@
 """The fleet's shared view of the model: merged metadata, gather groups, owner classes, router.
 
-Every rank builds the same ``ModelIndex`` from the producers' (metadata, held names) facts,
-gathered over the coordinator at set-up, so routes need no further messages.
+Every rank builds the same ``ModelIndex`` from the producers' facts, gathered over the
+coordinator at set-up, so routes need no further messages. The facts hold one copy of the
+model's metadata and each producer's held names; owners are worked out once per distinct held
+set, not per (name, producer), so the index grows with the model and the number of distinct
+shards, not with the fleet.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from vllm_dist.tasks.weight_transfer.groups import layerwise_groups
+from vllm_dist.tasks.weight_transfer.messages import (
+    ProducerFacts,
+    decode_held_columns,
+    metadata_digest,
+)
 from vllm_dist.tasks.weight_transfer.router import RdtRouter
-from vllm_dist.tasks.weight_transfer.source import WeightMeta
+from vllm_dist.tasks.weight_transfer.source import WeightMeta, dtype_from_str
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ProducerFacts:
-    """What one producer tells the fleet at set-up."""
-
-    metadata: tuple[WeightMeta, ...]
-    held: frozenset[str] | None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # by columns: pickling 100,000 slotted dataclasses one by one takes seconds
-        m = self.metadata
-        columns = ([w.name for w in m], [w.dtype for w in m], [w.shape for w in m])
-        return (_facts_from_columns, (*columns, self.held))
-
-
-def _facts_from_columns(
-    names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], held: Any
-) -> ProducerFacts:
-    interned: dict[str, str] = {}
-    metadata = tuple(
-        WeightMeta(name=n, dtype=interned.setdefault(d, d), shape=tuple(s))
-        for n, d, s in zip(names, dtypes, shapes, strict=True)
-    )
-    return ProducerFacts(metadata=metadata, held=held)
+__all__ = ["ModelIndex", "ProducerFacts", "build_index"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,47 +64,45 @@ class ModelIndex:
 
 
 def build_index(
-    facts: Sequence[ProducerFacts], num_consumers: int, workers_per_replica: int
+    facts: Sequence[ProducerFacts],
+    num_consumers: int,
+    workers_per_replica: int,
+    *,
+    balance: str = "block",
 ) -> ModelIndex:
     """Merge the producers' facts into one index (the same on every rank).
 
+    ``balance``: the router's rule (``RdtRouter``); every rank of a fleet must pass the same.
+
     Raises:
-        ValueError: two producers disagree on a weight's dtype or shape.
+        ValueError: no facts carry the model's metadata, or two producers disagree on a
+            weight's dtype or shape.
     """
-    meta: dict[str, WeightMeta] = {}
-    for p, f in enumerate(facts):
-        for m in f.metadata:
-            seen = meta.setdefault(m.name, m)
-            if seen is not m and seen != m:
-                raise ValueError(
-                    f"producers disagree on weight {m.name!r}: {seen} vs producer {p}'s {m}; "
-                    "every producer must describe the same model"
-                )
-    if all(f.held is None for f in facts):  # every producer holds everything: one shared list
-        everyone = list(range(len(facts)))
-        holders = dict.fromkeys(meta, everyone)
-    else:
-        holders = {
-            n: [p for p, f in enumerate(facts) if f.held is None or n in f.held] for n in meta
-        }
+    meta, held_sets = _merge(facts)
+    owners_of = _owner_classes(meta, held_sets)
+    holders = dict(zip(meta, owners_of, strict=True))
     groups = layerwise_groups(n for n in meta if holders[n])
     names = [n for g in groups for n in g]
-    classes: dict[tuple[int, ...], int] = {}
-    name_class = [classes.setdefault(tuple(holders[n]), len(classes)) for n in names]
-    router = RdtRouter(
-        len(facts),
-        num_consumers,
-        owner_sets=[list(s) for s in classes] or None,
-        name_owner_class=name_class,
-        names=names,
-        group_lens=[len(g) for g in groups],
-        workers_per_replica=workers_per_replica,
-    )
-    router.validate()
+    classes: dict[int, int] = {}  # owner list (by identity) -> class, in gather order
+    name_class = [classes.setdefault(id(holders[n]), len(classes)) for n in names]
+    by_id = {id(o): o for o in owners_of}
     shape_table: dict[tuple[tuple[int, ...], str], int] = {}
     shape_ids = [
         shape_table.setdefault((meta[n].shape, meta[n].dtype), len(shape_table)) for n in names
     ]
+    item_bytes = [math.prod(shape) * dtype_from_str(dtype).itemsize for shape, dtype in shape_table]
+    router = RdtRouter(
+        len(facts),
+        num_consumers,
+        owner_sets=[by_id[k] for k in classes] or None,
+        name_owner_class=name_class,
+        names=names,
+        group_lens=[len(g) for g in groups],
+        workers_per_replica=workers_per_replica,
+        balance=balance,
+        name_bytes=(np.asarray(item_bytes, dtype=np.int64)[shape_ids]).tolist(),
+    )
+    router.validate()
     return ModelIndex(
         names=names,
         meta=meta,
@@ -132,3 +115,94 @@ def build_index(
         shape_ids=np.asarray(shape_ids, dtype=np.int64),
         shapes=list(shape_table),
     )
+
+
+def _merge(
+    facts: Sequence[ProducerFacts],
+) -> tuple[dict[str, WeightMeta], list[frozenset[str] | None]]:
+    """The merged metadata and each producer's held names (None = every name).
+
+    Metadata objects and held-name blobs that several producers share are read once."""
+    shipped = next((f.metadata for f in facts if f.metadata is not None), None)
+    if shipped is None:
+        if not facts:
+            return {}, []
+        raise ValueError(
+            "no producer's facts carry the model's metadata: producer 0 must ship it "
+            "(ProducerFacts(ships_metadata=True))"
+        )
+    meta: dict[str, WeightMeta] = {}
+    digest = metadata_digest(shipped) if any(f.metadata is None for f in facts) else b""
+    seen: set[int] = set()
+    decoded: dict[bytes, frozenset[str]] = {}
+    held: list[frozenset[str] | None] = []
+    for p, f in enumerate(facts):
+        if f.metadata is not None:
+            if id(f.metadata) not in seen:
+                seen.add(id(f.metadata))
+                _add(meta, f.metadata, p)
+            held.append(f.held)
+        elif f.held_blob is None:  # holds every weight of the shipped model
+            if f.digest != digest:
+                raise ValueError(
+                    f"producer {p} holds every weight but describes another model than the "
+                    "metadata shipped (digests differ); every producer must describe the same "
+                    "model, or name what it holds"
+                )
+            held.append(None)
+        else:
+            names = decoded.get(f.held_blob)
+            if names is None:
+                columns = decode_held_columns(f.held_blob, f"producer {p}'s facts")
+                for name, dtype, shape in zip(*columns, strict=True):
+                    m = meta.get(name)  # known and alike: nothing to build
+                    if m is None or m.dtype != dtype or m.shape != shape:
+                        _add(meta, [WeightMeta(name=name, dtype=dtype, shape=shape)], p)
+                names = decoded[f.held_blob] = frozenset(columns[0])
+            held.append(names)
+    return meta, held
+
+
+def _add(meta: dict[str, WeightMeta], metas: Sequence[WeightMeta], producer: int) -> None:
+    """Add ``metas`` to ``meta``; a name seen before must have the same dtype and shape."""
+    for m in metas:
+        seen = meta.setdefault(m.name, m)
+        if seen is not m and seen != m:
+            raise ValueError(
+                f"producers disagree on weight {m.name!r}: {seen} vs producer {producer}'s {m}; "
+                "every producer must describe the same model"
+            )
+
+
+def _owner_classes(
+    meta: dict[str, WeightMeta], held: list[frozenset[str] | None]
+) -> list[list[int]]:
+    """Per name of ``meta``: the producers holding it, one shared list per distinct owner set."""
+    sets: dict[frozenset[str] | None, list[int]] = {}
+    for p, h in enumerate(held):
+        sets.setdefault(h, []).append(p)
+    if not meta:
+        return []
+    if list(sets) == [None]:  # every producer holds everything: one shared list
+        everyone = sets[None]
+        return [everyone] * len(meta)
+    position = {n: i for i, n in enumerate(meta)}
+    mask = np.zeros((len(sets), len(meta)), dtype=bool)
+    for row, h in enumerate(sets):
+        if h is None:
+            mask[row] = True
+        else:
+            mask[row, [position[n] for n in h if n in position]] = True
+    signature = np.ascontiguousarray(np.packbits(mask, axis=0).T)  # per name: sets holding it
+    if signature.shape[1] <= 8:  # one integer per name: a flat unique instead of a row sort
+        wide = np.zeros((len(meta), 8), dtype=np.uint8)
+        wide[:, : signature.shape[1]] = signature
+        keys, inverse = np.unique(wide.view(np.uint64).reshape(-1), return_inverse=True)
+        unique = keys.view(np.uint8).reshape(-1, 8)
+    else:
+        unique, inverse = np.unique(signature, axis=0, return_inverse=True)
+    owner_lists = [
+        sorted(p for row, ps in enumerate(sets.values()) if bits[row] for p in ps)
+        for bits in np.unpackbits(unique, axis=1, count=len(sets)).astype(bool)
+    ]
+    return [owner_lists[k] for k in inverse.reshape(-1).tolist()]

@@ -3,8 +3,9 @@
 Two channels. The data plane's notifications (``notify`` / ``wait_notification``) carry bytes:
 ``Ready`` (announcements), ``Done``, ``Alive`` and ``Replay``, each encoded here with ``struct``
 behind a versioned header and checked when decoded (``MessageError`` names what was wrong).
-The coordinator's object channel carries ``PlanMessage``, ``ReserveMessage`` and
-``AdmitMessage`` at set-up. An announcement of a source the consumer has not heard of carries
+The coordinator's object channel carries ``ProducerFacts``, ``PlanMessage``, ``ReserveMessage``
+and ``AdmitMessage`` at set-up; ``ProducerFacts`` pickles to an explicit compact form (one
+producer ships the model's metadata, the others its digest and what they hold). An announcement of a source the consumer has not heard of carries
 that source's exposure descriptor as opaque bytes (``ExposedDescriptor.to_bytes``, read back by
 the communicator's ``decode_exposed``), so it arrives with the message that names it. Rejected:
 pickling announcements into notifications (a peer's bytes must never reach ``pickle.loads``),
@@ -14,11 +15,16 @@ channel to wait on).
 
 from __future__ import annotations
 
+import hashlib
 import struct
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dist.tasks.weight_transfer.index import ProducerFacts
+import numpy as np
+
+from vllm_dist.tasks.weight_transfer.source import WeightMeta
 
 VERSION = 2
 """The wire version; a message of another version is refused."""
@@ -94,6 +100,150 @@ class Ready:
     """Producer -> consumer: several chunks of one pair are ready, in seq order."""
 
     announcements: list[Announcement]
+
+
+DIGEST_BYTES = 32
+"""The length of a ``metadata_digest``."""
+MAX_HELD_BYTES = 1 << 30
+"""The most bytes a producer's held names may decode to."""
+_HELD = struct.Struct("<IIII")  # names, bytes of the joined names, bytes of the dtype table, dims
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProducerFacts:
+    """What one producer tells the fleet at set-up: the model's metadata and what it holds.
+
+    Pickled (``all_gather_object``), only facts with ``ships_metadata`` carry the metadata; the
+    others carry its digest and their held names with dtypes and shapes, compressed, so each
+    rank receives one copy of the model and P lists of held names, not P copies of the model.
+    Rejected: shipping held names as positions in the metadata, which breaks when a producer
+    describes only the part of the model it holds.
+    """
+
+    metadata: tuple[WeightMeta, ...] | None
+    """The model's weights in model order; None in facts that arrived without it."""
+    held: frozenset[str] | None
+    """The names this producer serves; None = every name (see ``held_blob`` when
+    ``metadata`` is None)."""
+    ships_metadata: bool = True
+    """Whether the pickled facts carry ``metadata``; one producer (0) of a fleet is enough."""
+    digest: bytes = b""
+    """``metadata_digest`` of the producer's metadata, in facts that arrived without it."""
+    held_blob: bytes | None = None
+    """``encode_held`` of the held weights, in facts that arrived without metadata; None =
+    every weight of the model."""
+
+    def __post_init__(self) -> None:
+        if self.metadata is None and (len(self.digest) != DIGEST_BYTES or self.held is not None):
+            raise MessageError(
+                f"producer facts without metadata need a {DIGEST_BYTES}-byte digest and their "
+                f"held names in held_blob (got a {len(self.digest)}-byte digest, held="
+                f"{None if self.held is None else len(self.held)})"
+            )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        m = self.metadata
+        if m is None:
+            return (_facts_from_wire, (self.digest, self.held_blob))
+        if not self.ships_metadata:
+            held = None if self.held is None else [w for w in m if w.name in self.held]
+            blob = None if held is None else encode_held(held)
+            return (_facts_from_wire, (metadata_digest(m), blob))
+        # by columns: pickling 100,000 slotted dataclasses one by one takes seconds
+        columns = ([w.name for w in m], [w.dtype for w in m], [w.shape for w in m])
+        held_names = None if self.held is None else sorted(self.held)
+        return (_facts_from_columns, (*columns, held_names))
+
+
+def _facts_from_columns(
+    names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], held: Any
+) -> ProducerFacts:
+    interned: dict[str, str] = {}
+    metadata = tuple(
+        WeightMeta(name=n, dtype=interned.setdefault(d, d), shape=tuple(s))
+        for n, d, s in zip(names, dtypes, shapes, strict=True)
+    )
+    return ProducerFacts(metadata=metadata, held=None if held is None else frozenset(held))
+
+
+def _facts_from_wire(digest: Any, blob: Any) -> ProducerFacts:
+    if not isinstance(digest, bytes) or not (blob is None or isinstance(blob, bytes)):
+        raise MessageError(
+            f"producer facts: digest and held names must be bytes, got {type(digest).__name__} "
+            f"and {type(blob).__name__}"
+        )
+    return ProducerFacts(
+        metadata=None, held=None, ships_metadata=False, digest=digest, held_blob=blob
+    )
+
+
+def metadata_digest(metas: Sequence[WeightMeta]) -> bytes:
+    """A digest of the names, dtypes and shapes of ``metas``, in order."""
+    h = hashlib.sha256()
+    h.update("\0".join(m.name for m in metas).encode())
+    h.update(b"\1")
+    h.update("\0".join(m.dtype for m in metas).encode())
+    h.update(repr([m.shape for m in metas]).encode())
+    return h.digest()
+
+
+def encode_held(metas: Sequence[WeightMeta]) -> bytes:
+    """The weights ``metas`` as compressed columns: joined names, a dtype table, shapes."""
+    table: dict[str, int] = {}
+    dtype_ids = bytes(table.setdefault(m.dtype, len(table)) for m in metas)
+    ndims = bytes(len(m.shape) for m in metas)
+    dims = np.fromiter((d for m in metas for d in m.shape), dtype="<i8")
+    names = "\0".join(m.name for m in metas).encode()
+    dtypes = "\0".join(table).encode()
+    head = _HELD.pack(len(metas), len(names), len(dtypes), len(dims))
+    return zlib.compress(b"".join((head, names, dtypes, dtype_ids, ndims, dims.tobytes())), 1)
+
+
+def decode_held(blob: bytes, what: str) -> list[WeightMeta]:
+    """The weights ``encode_held`` wrote; ``MessageError`` for anything else."""
+    return [
+        WeightMeta(name=n, dtype=d, shape=s)
+        for n, d, s in zip(*decode_held_columns(blob, what), strict=True)
+    ]
+
+
+def decode_held_columns(
+    blob: bytes, what: str
+) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
+    """``decode_held`` as (names, dtypes, shapes) columns, without a ``WeightMeta`` each."""
+    try:
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(blob, MAX_HELD_BYTES)
+        if inflate.unconsumed_tail or not inflate.eof:
+            raise MessageError(
+                f"{what}: malformed held names (cut short, or over {MAX_HELD_BYTES} bytes)"
+            )
+        count, nnames, ndtypes, ndims_total = _HELD.unpack_from(raw)
+        pos = _HELD.size
+        names = raw[pos : pos + nnames].decode().split("\0") if count else []
+        pos += nnames
+        dtypes = raw[pos : pos + ndtypes].decode().split("\0")
+        pos += ndtypes
+        dtype_ids, ndims = raw[pos : pos + count], raw[pos + count : pos + 2 * count]
+        pos += 2 * count
+        dims = np.frombuffer(raw, dtype="<i8", count=ndims_total, offset=pos).tolist()
+        pos += 8 * ndims_total
+    except (zlib.error, struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise MessageError(f"{what}: malformed held names ({exc})") from None
+    if (
+        pos != len(raw)
+        or len(names) != count
+        or len(ndims) != count
+        or sum(ndims) != ndims_total
+        or any(i >= len(dtypes) for i in dtype_ids)
+        or any(d < 0 for d in dims)
+    ):
+        raise MessageError(f"{what}: malformed held names (counts and lengths disagree)")
+    shapes, start = [], 0
+    for nd in ndims:
+        shapes.append(tuple(dims[start : start + nd]))
+        start += nd
+    return names, [dtypes[k] for k in dtype_ids], shapes
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,7 +118,10 @@ class WeightProducer(EngineBase):
         """Join the fleet's set-up; raises on any rank's refusal (see module docstring)."""
         start = self._phase_start = time.perf_counter()
         held = self.source.held_names()
-        index = self._index(ProducerFacts(metadata=tuple(self.source.metadata()), held=held))
+        facts = ProducerFacts(
+            metadata=tuple(self.source.metadata()), held=held, ships_metadata=self.producer_id == 0
+        )
+        index = self._index(facts)
         self._phase("index")
         errors: list[Exception] = []
         for cid, crank in enumerate(self.fleet.consumer_ranks):

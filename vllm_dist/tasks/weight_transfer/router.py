@@ -1,10 +1,24 @@
 """RdtRouter: which producer serves each weight to each consumer.
 
 Ownership is per name: producers that hold the same names form an *owner class* (a pipeline
-stage, an expert shard), and a name can only come from one of its owners. A consumer binds a
-block of producers (``assign_producer_indices``) and spreads its gather groups over that block,
-so every name of a group comes from one producer and worker i of every inference replica resolves
-the same producer (replicas then read identical bytes from identical places).
+stage, an expert shard), and a name can only come from one of its owners. A route depends on
+(worker in its replica, owner class, gather group) only, so every name of a group comes from
+one producer and worker i of every inference replica resolves the same producer (replicas then
+read identical bytes from identical places).
+
+Two rules pick the producer. ``balance="block"`` (the default, DESIGN's rule) gives worker w the
+block ``assign_producer_indices(len(owners), workers, w)``. Where a class has fewer owners than a
+replica has workers, that block is one owner for every group, and expert-parallel consumers make
+it lopsided: the workers that need one expert shard are neighbours, so they all land on one owner.
+``balance="rotate"`` (what the engine uses) takes ``owners[(w + g * s) % len(owners)]`` for group
+g where owners are fewer than workers, s being the workers likely to need the class (a replica
+over the class and its disjoint siblings, e.g. the other expert shards), so neighbours spread
+over every owner and consecutive groups tile the owners; where
+they are at least as many, it lays every worker's groups of the class end to end, weighted by
+their bytes, and cuts that line into one equal piece per owner, so uneven blocks (24 owners, 16
+workers) and uneven groups (embeddings) stay balanced while a worker still reaches few owners.
+Rejected: routing by the bytes each worker needs, which producers cannot know before the plans
+arrive (both sides must resolve routes alone from the shared index).
 
 The router is pure data plus, after ``bind``, a thin send side: ``produce_methods[i]`` is a
 callable ``(verb, consumer_id, *args)`` that reaches producer i (an actor method, a control
@@ -17,6 +31,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 ProduceMethod = Callable[..., Any]
+
+BALANCE_RULES = ("block", "rotate")
+"""The routing rules ``RdtRouter(balance=...)`` accepts (see the module docstring)."""
+ENGINE_BALANCE = "rotate"
+"""The rule the weight-transfer engine (and its dry run) routes by."""
 
 
 def assign_producer_indices(num_producers: int, num_consumers: int, consumer_idx: int) -> list[int]:
@@ -45,10 +64,14 @@ class RdtRouter:
         names: the model's names, in gather order.
         group_lens: cuts ``names`` into consecutive gather groups.
         workers_per_replica: consumers per inference replica (0 = the whole fleet is one replica).
+        balance: ``"block"`` (DESIGN's rule) or ``"rotate"`` (balanced); see the module
+            docstring.
+        name_bytes: ``name_bytes[i]`` is the size of ``names[i]``; the rotating rule weighs
+            groups by it where owners are at least as many as workers (missing = 1 per name).
 
     Raises:
-        ValueError: ``workers_per_replica`` does not divide ``num_consumers`` (or exceeds it), or
-            ``group_lens`` does not cut ``names``.
+        ValueError: ``workers_per_replica`` does not divide ``num_consumers`` (or exceeds it),
+            ``group_lens`` does not cut ``names``, or ``balance`` is not a known rule.
     """
 
     def __init__(
@@ -60,7 +83,16 @@ class RdtRouter:
         names: Sequence[str] | None = None,
         group_lens: Sequence[int] | None = None,
         workers_per_replica: int = 0,
+        *,
+        balance: str = "block",
+        name_bytes: Sequence[int] | None = None,
     ) -> None:
+        if balance not in BALANCE_RULES:
+            raise ValueError(f"balance={balance!r}: use one of {', '.join(BALANCE_RULES)}")
+        self.balance = balance
+        self._bytes = list(name_bytes or [])
+        self._line: dict[int, dict[int, tuple[int, int]]] | None = None
+        self._strides: dict[int, int] | None = None
         if num_producers < 0 or num_consumers < 0:
             raise ValueError(f"negative fleet size: {num_producers} producers, {num_consumers}")
         self.num_producers = num_producers
@@ -175,18 +207,77 @@ class RdtRouter:
                     f"name {name!r}: owner class {owner_class} does not exist; call validate()"
                 )
             owners = self._check_owner_set(owner_class)
-            block = assign_producer_indices(len(owners), b, key[0])
-            p = self._routes[key] = owners[block[group % len(block)]]
+            if self.balance == "rotate" and len(owners) < b:
+                p = owners[(key[0] + group * self._stride(owner_class)) % len(owners)]
+            elif self.balance == "rotate":
+                p = owners[self._cut(key[0], owner_class, group, len(owners))]
+            else:
+                block = assign_producer_indices(len(owners), b, key[0])
+                p = owners[block[group % len(block)]]
+            self._routes[key] = p
         return p
+
+    def _stride(self, owner_class: int) -> int:
+        """How far the rotation turns per group: the workers likely to need the class (a
+        replica's workers over the class and its disjoint siblings of as many owners, e.g. the
+        other expert shards), so consecutive groups tile the owners instead of overlapping."""
+        if self._strides is None:
+            groups_of: dict[int, set[int]] = {}
+            classes_in: dict[int, set[int]] = {}
+            for name, k in self._class.items():
+                g = self._group.get(name, 0)
+                groups_of.setdefault(k, set()).add(g)
+                classes_in.setdefault(g, set()).add(k)
+            self._strides = {}
+            for k, groups in groups_of.items():
+                mine = set(self.owner_sets[k])
+                near = {j for g in groups for j in classes_in[g]}
+                siblings = sum(
+                    1
+                    for j in near
+                    if len(self.owner_sets[j]) == len(mine)
+                    and (j == k or not mine.intersection(self.owner_sets[j]))
+                )
+                self._strides[k] = max(1, self.workers_per_replica // siblings)
+        return self._strides.get(owner_class, 1)
+
+    def _cut(self, worker: int, owner_class: int, group: int, n: int) -> int:
+        """The owner index of (worker, group) when the class's groups of every worker, laid
+        end to end in bytes, are cut into ``n`` equal pieces: each owner serves an equal share,
+        and a worker reaches only the few owners its stretch of the line crosses."""
+        if self._line is None:
+            self._line = self._class_lines()
+        mid2, total = self._line[owner_class].get(group, (0, 1))
+        b = self.workers_per_replica
+        return min(n - 1, (worker * 2 * total + mid2) * n // (b * 2 * total))
+
+    def _class_lines(self) -> dict[int, dict[int, tuple[int, int]]]:
+        """Per class, per group: twice the midpoint of the group's bytes on the class's line
+        (groups in order), and the line's length. Missing bytes count as 1 per name."""
+        sizes: dict[int, dict[int, int]] = {}
+        for i, name in enumerate(self.names):
+            k, g = self._class[name], self._group.get(name, 0)
+            nbytes = self._bytes[i] if i < len(self._bytes) else 1
+            per_group = sizes.setdefault(k, {})
+            per_group[g] = per_group.get(g, 0) + max(1, nbytes)
+        lines: dict[int, dict[int, tuple[int, int]]] = {}
+        for k, per_group in sizes.items():
+            total, start, line = sum(per_group.values()), 0, {}
+            for g in sorted(per_group):
+                line[g] = (2 * start + per_group[g], total)
+                start += per_group[g]
+            lines[k] = line
+        return lines
 
     def fingerprint(self) -> tuple[Any, ...]:
         """What two deployments must agree on for their routes to agree."""
-        return (
+        common = (
             self.num_producers,
             self.num_consumers,
             self.workers_per_replica,
             tuple(tuple(s) for s in self.owner_sets),
         )
+        return common if self.balance == "block" else (*common, self.balance)
 
     # -- send side -----------------------------------------------------------------------------
     def bind(

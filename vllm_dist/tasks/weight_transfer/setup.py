@@ -46,6 +46,7 @@ from vllm_dist.tasks.weight_transfer.plan import (
     Request,
     slot_bytes,
 )
+from vllm_dist.tasks.weight_transfer.router import ENGINE_BALANCE
 from vllm_dist.tasks.weight_transfer.source import dtype_from_str
 
 _T = TypeVar("_T")
@@ -231,7 +232,10 @@ class EngineBase:
     def _build_index(self, producer_facts: list[ProducerFacts]) -> ModelIndex:
         self.producer_facts = producer_facts
         self.index = build_index(
-            producer_facts, len(self.fleet.consumer_ranks), self.config.workers_per_replica
+            producer_facts,
+            len(self.fleet.consumer_ranks),
+            self.config.workers_per_replica,
+            balance=ENGINE_BALANCE,
         )
         return self.index
 

@@ -24,6 +24,7 @@ from vllm_dist.tasks.weight_transfer.dryrun.linkmodel import (
 )
 from vllm_dist.tasks.weight_transfer.dryrun.models import MODELS, model_bytes, model_metas
 from vllm_dist.tasks.weight_transfer.dryrun.simulate import DryRun, dry_run
+from vllm_dist.tasks.weight_transfer.router import ENGINE_BALANCE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +57,7 @@ def plan_fleet(
     *,
     measure_memory: bool = True,
     link: LinkModel | None = None,
-    rotate: bool = False,
+    balance: str = ENGINE_BALANCE,
 ) -> tuple[dict[str, Any], DryRun]:
     """Dry-run ``spec``; a JSON-ready report and the run itself."""
     start = time.perf_counter()
@@ -77,13 +78,14 @@ def plan_fleet(
         strided=spec.strided,
         sample=spec.sample,
         measure_memory=measure_memory,
-        rotate=rotate,
+        balance=balance,
     )
     link = link or PRESETS[spec.link]
     report = _report(spec, run, link, model_bytes(metas))
     report["metadata_s"] = build_s
-    if rotate:
-        report["fleet"] += " [rotating router]"
+    report["balance"] = balance
+    if balance != ENGINE_BALANCE:
+        report["fleet"] += f" [{balance} router]"
     report["wall_s"] = time.perf_counter() - start
     return report, run
 
@@ -125,6 +127,7 @@ def _report(spec: FleetSpec, run: DryRun, link: LinkModel, total: int) -> dict[s
         "setup_s_per_rank_max": run.gather_seconds
         + run.index_seconds
         + max(max(cons_s), max(prod_s)),
+        "peak_mb_per_rank": _rank_peak(run),
         "pairs": len(run.pairs) * run.scale(),
         "pair_bytes_min": min(pair_bytes),
         "pair_bytes_max": max(pair_bytes),
@@ -147,6 +150,17 @@ def _report(spec: FleetSpec, run: DryRun, link: LinkModel, total: int) -> dict[s
     if spec.producer_layout.kind == "fsdp":
         report["fsdp_gather_s"] = fsdp_gather_s(total, spec.producers, link)
     return report
+
+
+def _rank_peak(run: DryRun) -> float | None:
+    """The busiest rank's traced peak MB: its gathered facts and index, which it keeps, plus
+    the larger of consumer 0's and the busiest producer's own set-up peak (None: not traced)."""
+    own = [run.consumers[run.simulated[0]].peak_bytes]
+    own += [c.peak_bytes for c in run.producers.values() if c.peak_bytes is not None]
+    parts = [run.gather_bytes, run.index_peak_bytes, max((x or 0 for x in own), default=0)]
+    if run.gather_bytes is None or run.index_peak_bytes is None or own[0] is None:
+        return None
+    return sum(x or 0 for x in parts) / 1e6
 
 
 def _mb(n: int | None) -> float | None:
@@ -233,26 +247,28 @@ FLEETS: list[FleetSpec] = [
 ]
 
 
-def sweep(model: str = "deepseek-v3") -> list[FleetSpec]:
-    """Fleets of 12 -> 384 ranks of one model, producers:consumers 2:1, the workers
-    of replica 0 simulated exactly (how set-up cost grows with the fleet)."""
-    out = []
-    for producers, consumers, tp in (
-        (8, 4, 4),
-        (16, 8, 8),
-        (48, 16, 16),
-        (128, 64, 32),
-        (256, 128, 32),
-    ):
-        out.append(
-            FleetSpec(
-                name=f"{model} {producers}->{consumers}",
-                model=model,
-                producers=producers,
-                consumers=consumers,
-                replica_tp=tp,
-                producer_layout=ProducerLayout(kind="megatron", tp=min(8, producers // 2), pp=2),
-                sample=tp,
-            )
+# (producers, consumers, replica TP, producer TP, PP, EP): 8 -> 384 ranks, trainers 2:1 at scale
+SWEEP = (
+    (4, 4, 4, 2, 2, 1),
+    (16, 8, 8, 2, 2, 4),
+    (48, 16, 16, 4, 2, 2),
+    (128, 64, 32, 8, 4, 4),
+    (256, 128, 32, 8, 4, 8),
+)
+
+
+def sweep(model: str = "kimi-k2") -> list[FleetSpec]:
+    """Fleets of 8 -> 384 ranks of one model (Megatron producers, expert-parallel replicas),
+    the workers of replica 0 simulated exactly: how set-up cost and sync grow with the fleet."""
+    return [
+        FleetSpec(
+            name=f"{model} {producers}->{consumers}",
+            model=model,
+            producers=producers,
+            consumers=consumers,
+            replica_tp=tp,
+            producer_layout=ProducerLayout(kind="megatron", tp=ptp, pp=pp, ep=ep),
+            sample=tp,
         )
-    return out
+        for producers, consumers, tp, ptp, pp, ep in SWEEP
+    ]

@@ -53,10 +53,13 @@ def expert_of(name: str) -> int | None:
 def producer_facts(
     metas: Sequence[WeightMeta], layout: ProducerLayout, producers: int
 ) -> list[ProducerFacts]:
-    """Every producer's (metadata, held names) under ``layout``; one metadata tuple shared."""
+    """Every producer's (metadata, held names) under ``layout``; one metadata tuple shared, and
+    shipped by producer 0 only, as the engine's producers ship it."""
     meta = tuple(metas)
     if layout.kind != "megatron":
-        return [ProducerFacts(metadata=meta, held=None) for _ in range(producers)]
+        return [
+            ProducerFacts(metadata=meta, held=None, ships_metadata=r == 0) for r in range(producers)
+        ]
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     if producers % (tp * pp * ep):
         raise ValueError(f"{producers} producers are not a multiple of tp*pp*ep={tp * pp * ep}")
@@ -74,7 +77,7 @@ def producer_facts(
     for r in range(producers):  # rank = ((dp * pp + stage) * ep + expert shard) * tp + tp rank
         e = (r // tp) % ep
         s = (r // (tp * ep)) % pp
-        out.append(ProducerFacts(metadata=meta, held=held[(s, e)]))
+        out.append(ProducerFacts(metadata=meta, held=held[(s, e)], ships_metadata=r == 0))
     return out
 
 

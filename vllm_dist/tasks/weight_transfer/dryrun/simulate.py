@@ -17,7 +17,6 @@ scales producer loads by the replica count, exact by that property (the tests ch
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 import time
 import tracemalloc
@@ -39,7 +38,7 @@ from vllm_dist.tasks.weight_transfer.plan import (
     item_sizes,
     plan_digest,
 )
-from vllm_dist.tasks.weight_transfer.router import RdtRouter, assign_producer_indices
+from vllm_dist.tasks.weight_transfer.router import ENGINE_BALANCE
 from vllm_dist.tasks.weight_transfer.setup import PlanCheck, ShapeCache, pair_layout
 from vllm_dist.tasks.weight_transfer.source import WeightMeta
 
@@ -102,7 +101,7 @@ class DryRun:
     index_peak_bytes: int | None
     names: int
     gather_seconds: float = 0.0  # unpickling every producer's facts, as each rank does
-    gather_bytes: int | None = None  # one producer's unpickled facts (traced) x producers
+    gather_bytes: int | None = None  # every producer's unpickled facts (traced)
     pairs: list[PairPlan] = field(default_factory=list)
     consumers: dict[int, RankCost] = field(default_factory=dict)
     producers: dict[int, RankCost] = field(default_factory=dict)
@@ -171,7 +170,7 @@ def dry_run(
     strided: bool = False,
     sample: int | None = None,
     measure_memory: bool = False,
-    rotate: bool = False,
+    balance: str = ENGINE_BALANCE,
     wire: bool = True,
 ) -> DryRun:
     """Plan every pair of the fleet with the engine's own set-up code.
@@ -180,7 +179,7 @@ def dry_run(
     consumers' READ path with strided reads (``pair_layout``). ``measure_memory``: trace the
     peak Python allocation of the index, consumer 0 and the most loaded producer in a second,
     traced call of each (the timed calls are untraced).
-    ``rotate``: plan with ``RotatingRouter`` (a proposed rule) instead of the engine's router.
+    ``balance``: the router's rule (the engine's by default; ``"block"`` is DESIGN's rule).
     ``wire``: build the index from facts that went through pickle, as ``all_gather_object``
     hands them to every rank (objects of their own per producer), and time their unpickling;
     else from the shared objects given (cheaper, and optimistic about the merge).
@@ -196,10 +195,7 @@ def dry_run(
     gathered, gather_s, gather_bytes = _gather(facts, measure_memory) if wire else (facts, 0, None)
 
     def index_now() -> ModelIndex:
-        index = build_index(gathered, num_consumers, workers_per_replica)
-        if rotate:
-            index = dataclasses.replace(index, router=RotatingRouter.like(index))
-        return index
+        return build_index(gathered, num_consumers, workers_per_replica, balance=balance)
 
     index, index_s, index_peak = _measured(index_now, measure_memory)
     run = DryRun(
@@ -246,9 +242,12 @@ def _gather(
     facts: list[ProducerFacts], measure: bool
 ) -> tuple[list[ProducerFacts], float, int | None]:
     """The facts as a rank receives them (each unpickled), the seconds that takes, and (with
-    ``measure``) one producer's unpickled facts traced, times the producers."""
-    blobs: dict[tuple[int, int], bytes] = {}  # producers with the same facts pickle alike
-    wire = [blobs.setdefault((id(f.metadata), id(f.held)), pickle.dumps(f)) for f in facts]
+    ``measure``) the peak bytes of unpickling them all again, traced."""
+    blobs: dict[tuple[int, int, bool], bytes] = {}  # producers with the same facts pickle alike
+    wire = [
+        blobs.setdefault((id(f.metadata), id(f.held), f.ships_metadata), pickle.dumps(f))
+        for f in facts
+    ]
     start = time.perf_counter()
     gathered = [pickle.loads(b) for b in wire]  # our own bytes, never a peer's
     seconds = time.perf_counter() - start
@@ -256,52 +255,12 @@ def _gather(
         return gathered, seconds, None
     tracemalloc.start()
     try:
-        one = pickle.loads(wire[0])
+        again = [pickle.loads(b) for b in wire]
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    del one
-    return gathered, seconds, peak * len(facts)
-
-
-class RotatingRouter(RdtRouter):
-    """A proposed rule where an owner class has fewer owners than a replica has workers:
-    worker w takes group g of the class from ``owners[(w + g) % len(owners)]`` instead of
-    ``owners[w * len(owners) // workers]`` for every group. With expert-parallel consumers
-    the workers that need one expert shard are neighbours, so the block rule sends them all
-    to one owner; rotating spreads them, and each group, over every owner. Where owners are
-    at least as many as workers, the block rule stands."""
-
-    @classmethod
-    def like(cls, index: ModelIndex) -> RotatingRouter:
-        r = index.router
-        router = cls(
-            r.num_producers,
-            r.num_consumers,
-            owner_sets=r.owner_sets,
-            name_owner_class=index.class_ids.tolist(),
-            names=index.names,
-            group_lens=[len(g) for g in index.groups],
-            workers_per_replica=r.workers_per_replica,
-        )
-        router.validate()
-        return router
-
-    def producer_for_group(
-        self, consumer_id: int, group: int, owner_class: int, name: str = "?"
-    ) -> int:
-        b = self.workers_per_replica
-        key = (consumer_id % b, owner_class, group)
-        p = self._routes.get(key)
-        if p is None:
-            owners = self._check_owner_set(owner_class)
-            if len(owners) >= b:
-                block = assign_producer_indices(len(owners), b, key[0])
-                p = owners[block[group % len(block)]]
-            else:
-                p = owners[(key[0] + group) % len(owners)]
-            self._routes[key] = p
-        return p
+    del again
+    return gathered, seconds, peak
 
 
 def _router(routes: Any) -> Any:

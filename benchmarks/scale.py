@@ -1,4 +1,4 @@
-"""Plan at scale: the weight-transfer set-up of trillion-parameter fleets on one CPU, and the
+"""Scale: the weight-transfer set-up of trillion-parameter fleets planned on one CPU, and the
 sync a link model predicts for them.
 
 Question: does the planner hold at 256 trainer -> 128 inference GPUs, how does its cost grow
@@ -13,8 +13,8 @@ Every sync time printed here is a PREDICTION of the link model, except the colum
 runs of ``benchmarks/weight_transfer.py``). The validation table checks the predictor against
 those measurements; its calibration points are marked.
 
-    python benchmarks/plan_at_scale.py [--fleets kimi,qwen] [--no-sweep] [--rotate]
-        [--cpu-json bench_results/weight_transfer.json] [--out bench_results/plan_at_scale.json]
+    python benchmarks/scale.py [--fleets kimi,qwen] [--no-sweep] [--block]
+        [--cpu-json bench_results/weight_transfer.json] [--out bench_results/scale.json]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from vllm_dist.tasks.weight_transfer.dryrun import (  # noqa: E402
     sweep,
 )
 from vllm_dist.tasks.weight_transfer.index import ProducerFacts  # noqa: E402
+from vllm_dist.tasks.weight_transfer.router import ENGINE_BALANCE  # noqa: E402
 from vllm_dist.tasks.weight_transfer.source import WeightMeta  # noqa: E402
 
 # Our measurements (1 producer -> 2 TP-2 consumers, nixl_rdt, replayed, --in-place), given
@@ -117,6 +118,18 @@ def monotonic_check(report: dict[str, Any], run: Any, preset: str) -> list[float
     return [predict(run, PRESETS[preset].with_bandwidth(f)).predicted_s for f in (0.5, 1, 2)]
 
 
+# published syncs by fleet size in ranks (other teams' runs, other models): plotted beside
+ANCHORS = [
+    (16, "Qwen3-235B 8->8 H100", 3.2),
+    (96, "GLM-5-class 64->32 H200", 2.84),
+    (384, "Kimi-K2 256->128", 1.3),
+]
+
+
+def _or_dash(value: Any) -> Any:
+    return "-" if value is None else value
+
+
 def _peaks(r: dict[str, Any]) -> str:
     """Peak traced MB of consumer 0 / the busiest producer / the index, or '-'."""
     keys = ("consumer_peak_mb", "producer_peak_mb", "index_peak_mb")
@@ -127,21 +140,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fleets", default="", help="comma-separated name filters (default: all)")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--sweep-model", default="deepseek-v3")
+    ap.add_argument("--sweep-model", default="kimi-k2")
     ap.add_argument("--no-validate", action="store_true")
     ap.add_argument(
-        "--rotate", action="store_true", help="also plan each fleet with the proposed router"
+        "--block", action="store_true", help="also plan each fleet with DESIGN's block rule"
     )
     ap.add_argument("--no-memory", action="store_true", help="skip tracemalloc (faster)")
     ap.add_argument("--cpu-json", default=None, help="a weight_transfer.py JSON to validate on")
-    ap.add_argument("--out", default="bench_results/plan_at_scale.json")
+    ap.add_argument("--out", default="bench_results/scale.json")
     args = ap.parse_args()
     wanted = [w for w in args.fleets.split(",") if w]
     fleets = [f for f in FLEETS if not wanted or any(w in f.name for w in wanted)]
     reports = []
     for spec in fleets:
-        for rotate in (False, True) if args.rotate else (False,):
-            report, run = plan_fleet(spec, measure_memory=not args.no_memory, rotate=rotate)
+        for balance in (ENGINE_BALANCE, "block") if args.block else (ENGINE_BALANCE,):
+            report, run = plan_fleet(spec, measure_memory=not args.no_memory, balance=balance)
             report["predicted_s_at_bw_x0.5_x1_x2"] = monotonic_check(report, run, spec.link)
             reports.append(report)
             print(f"planned {report['fleet']} in {report['wall_s']:.1f} s", flush=True)
@@ -151,10 +164,12 @@ def main() -> None:
         [
             "fleet",
             "params",
+            "ranks",
             "sim/cons",
             "setup s/rank",
             "gather s",
             "index s",
+            "peak MB/rank",
             "peak MB c/p/idx",
             "gather MB",
             "pair bytes",
@@ -169,19 +184,21 @@ def main() -> None:
             [
                 r["fleet"],
                 f"{r['params_b']:.0f}B",
+                r["producers"] + r["consumers"],
                 f"{r['simulated_consumers']}/{r['consumers']}",
                 r["setup_s_per_rank_max"],
                 r["gather_s"],
                 r["index_s"],
+                _or_dash(r["peak_mb_per_rank"]),
                 _peaks(r),
-                r["gather_mb"] if r["gather_mb"] is not None else "-",
+                _or_dash(r["gather_mb"]),
                 f"{human(r['pair_bytes_min'])}..{human(r['pair_bytes_max'])}",
                 r["chunks_per_consumer_max"],
                 r["producer_load_max_over_mean"],
                 r["predicted_s"],
                 r["bound_s"],
                 r["predicted_over_bound"],
-                r["anchor_s"] if r["anchor_s"] is not None else "-",
+                _or_dash(r["anchor_s"]),
             ]
             for r in reports
         ],
@@ -199,30 +216,36 @@ def main() -> None:
             sweep_rows.append(report)
             print(f"planned {report['fleet']} in {report['wall_s']:.1f} s", flush=True)
         print_table(
-            f"set-up cost against fleet size ({args.sweep_model}; one replica simulated; "
-            "sync PREDICTED)",
+            f"set-up cost and sync against fleet size ({args.sweep_model}; one replica "
+            "simulated; sync PREDICTED; anchors PUBLISHED, other models)",
             [
                 "ranks",
                 "fleet",
+                "setup s/rank",
                 "gather s",
-                "gather MB",
                 "index s",
                 "consumer s",
                 "producer s",
-                "peak MB c/p/idx",
+                "peak MB/rank",
+                "max/mean",
                 "pred s",
+                "bound s",
+                "anchor at this size",
             ],
             [
                 [
                     r["ranks"],
                     r["fleet"],
+                    r["setup_s_per_rank_max"],
                     r["gather_s"],
-                    r["gather_mb"] if r["gather_mb"] is not None else "-",
                     r["index_s"],
                     r["consumer_setup_s_max"],
                     r["producer_setup_s_max"],
-                    _peaks(r),
+                    _or_dash(r["peak_mb_per_rank"]),
+                    r["producer_load_max_over_mean"],
                     r["predicted_s"],
+                    r["bound_s"],
+                    "; ".join(f"{n} {t} s" for k, n, t in ANCHORS if k == r["ranks"]) or "-",
                 ]
                 for r in sweep_rows
             ],
@@ -265,14 +288,24 @@ def main() -> None:
         ax[0].plot(ranks, [r["setup_s_per_rank_max"] for r in sweep_rows], "o-", label="max")
         ax[0].plot(ranks, [r["gather_s"] for r in sweep_rows], "^:", label="gather facts")
         ax[0].plot(ranks, [r["index_s"] for r in sweep_rows], "s--", label="index")
+        ax[0].axhline(10, color="grey", lw=0.8, ls=":", label="target (10 s)")
         ax[0].set(xlabel="ranks", ylabel="set-up s per rank", xscale="log", title="set-up")
-        ax[0].legend()
+        ax[0].legend(fontsize=7, loc="upper left")
+        mb = ax[0].twinx()
+        peaks = [r["peak_mb_per_rank"] for r in sweep_rows]
+        if all(p is not None for p in peaks):
+            mb.plot(ranks, peaks, "d-.", color="tab:red", label="peak MB per rank")
+            mb.set_ylabel("peak MB per rank (traced)")
+            mb.legend(fontsize=7, loc="upper right")
         ax[1].plot(ranks, [r["predicted_s"] for r in sweep_rows], "o-", label="predicted")
         ax[1].plot(ranks, [r["bound_s"] for r in sweep_rows], "s--", label="link bound")
-        ax[1].set(xlabel="ranks", ylabel="sync s (predicted)", xscale="log", title="sync")
-        ax[1].legend()
+        for k, name, seconds in ANCHORS:
+            ax[1].plot([k], [seconds], "*", markersize=10, label=f"published: {name}")
+        ax[1].set(xlabel="ranks", ylabel="sync s", xscale="log", title=f"sync ({args.sweep_model})")
+        ax[1].legend(fontsize=7)
+        ticks = sorted({*ranks, *(k for k, _, _ in ANCHORS)})
         for a in ax:
-            a.set_xticks(ranks, [str(n) for n in ranks])
+            a.set_xticks(ticks, [str(n) for n in ticks])
             a.minorticks_off()
         fig.tight_layout()
         fig.savefig(png)
