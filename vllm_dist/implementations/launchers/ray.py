@@ -56,10 +56,10 @@ from vllm_dist.implementations.launchers.common import (
     raised_failure,
     run_packed_task,
 )
-from vllm_dist.implementations.launchers.mp import (  # progress records, read as MPLauncher does
-    _describe_record,
-    _lagging,
-    _read_record,
+from vllm_dist.implementations.launchers.progress import (
+    describe_progress,
+    lagging_ranks,
+    read_progress,
 )
 from vllm_dist.interfaces import (
     BackendUnavailableError,
@@ -273,7 +273,7 @@ class _RankActor:
             return run_packed_task(packed, info)
         finally:
             faulthandler.unregister(signal.SIGUSR1)
-            self._final_record = _read_record(f"/proc/self/fd/{progress.fileno()}")
+            self._final_record = read_progress(f"/proc/self/fd/{progress.fileno()}")
             for f in self._files:
                 f.close()
             self._files = []
@@ -290,7 +290,7 @@ class _Peeker:
     def peek(self, targets: list[tuple[int, tuple[int, int]]], wait: float) -> list[Any]:
         """``(last coordinator record, stacks)`` of each ``(pid, files)`` of ``targets``."""
         paths = [tuple(f"/proc/{pid}/fd/{fd}" for fd in files) for pid, files in targets]
-        records = [_read_record(progress) for progress, _ in paths]
+        records = [read_progress(progress) for progress, _ in paths]
         asked = []
         for (pid, _), (_, stacks) in zip(targets, paths, strict=True):
             try:
@@ -473,7 +473,7 @@ class _Run:
         behind where the others wait are marked as the cause."""
         reports = self._reports([f.rank for f in failures], live)
         records = {r: record for r, (record, _) in reports.items()}
-        lagging = set(_lagging(records, live)) or set(live)
+        lagging = set(lagging_ranks(records, live, [f.rank for f in failures])) or set(live)
         now = time.time()
         hung = []
         for r in live:
@@ -485,10 +485,10 @@ class _Run:
                 kind="hung",
                 at=now,
                 cause=r in lagging,
-                last_op=_describe_record(records.get(r)),
+                last_op=describe_progress(records.get(r)),
             )
             hung.append(self._on_node(failure))
-        done = [replace(f, last_op=_describe_record(records.get(f.rank))) for f in failures]
+        done = [replace(f, last_op=describe_progress(records.get(f.rank))) for f in failures]
         return done + hung
 
     def _reports(self, done: list[int], live: list[int]) -> dict[int, tuple[Any, str]]:

@@ -28,6 +28,7 @@ from vllm_dist.interfaces.dataplane import (
     PreparedReadCommunicator,
     StridedReadCommunicator,
 )
+from vllm_dist.tasks.progress import SyncProgress
 from vllm_dist.tasks.weight_transfer._memory import CopyProgram
 from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
@@ -103,6 +104,7 @@ class WeightConsumer(EngineBase):
         if rank not in fleet.consumer_ranks:
             raise ValueError(f"rank {rank} is not a consumer of {fleet}")
         self.consumer_id = fleet.consumer_ranks.index(rank)
+        self.progress = SyncProgress("consumer", self.consumer_id, fleet.producer_ranks)
         self.params = params
         self.route = route
         # where the bytes land: ``params``, or in atomic mode staging copies of those it fills
@@ -449,6 +451,7 @@ class WeightConsumer(EngineBase):
             raise RuntimeError("sync() needs setup() (or join()) first")
         self._syncs += 1
         self._packed = 0
+        self.progress.sync_begins(self._syncs, self._pairs)
         try:
             self._replayed = self._path.receive()
         except BaseException as exc:
@@ -460,6 +463,7 @@ class WeightConsumer(EngineBase):
                 self._failed(exc, intact=False)
         self._torn = False
         self._version = self._syncs
+        self.progress.synced(self._syncs)
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=sum(c.nbytes for c in self.chunks),

@@ -19,6 +19,7 @@ import torch
 
 from vllm_dist.interfaces import DeviceCommunicator, WorkerCoordinator
 from vllm_dist.interfaces.dataplane import AsyncSendRecvCommunicator
+from vllm_dist.tasks.progress import SyncProgress
 from vllm_dist.tasks.weight_transfer._memory import shared_empty
 from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
@@ -87,6 +88,7 @@ class WeightProducer(EngineBase):
         if rank not in fleet.producer_ranks:
             raise ValueError(f"rank {rank} is not a producer of {fleet}")
         self.producer_id = fleet.producer_ranks.index(rank)
+        self.progress = SyncProgress("producer", self.producer_id, fleet.consumer_ranks)
         self.source = source
         self.shared_bytes = 0  # share_cpu_weights: source bytes moved into shared memory
         self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
@@ -305,10 +307,11 @@ class WeightProducer(EngineBase):
         self.source.begin_sync()
         self._syncs += 1
         self._packed = 0
+        self.progress.sync_begins(self._syncs, self._pairs)
         path = self._path
         replayed = path.begin(start)
         if replayed is not None:
-            return replayed
+            return self.progress.synced(self._syncs, replayed)
         barrier = FreeBarrier(self._group_counts)
         serve = path.serve
         opened: dict[int, Mapping[str, torch.Tensor]] = {}
@@ -324,6 +327,7 @@ class WeightProducer(EngineBase):
                 self._mark(f"opened {g}")
             pair = self._pairs[cid]
             chunk = pair.chunks[i]
+            self.progress.serving(self._syncs, g, cid)
             serve(cid, pair, chunk, opened[g], barrier)
             moved += chunk.nbytes
         self._mark("drain")
@@ -332,6 +336,7 @@ class WeightProducer(EngineBase):
         self._raise_pair_errors()
         self._mark("end")
         path.end()
+        self.progress.synced(self._syncs)
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=moved,
