@@ -110,7 +110,8 @@ class _Faults:
 
 
 class FaultySource(StateDictSource):
-    """A producer's source that faults at its second group of sync ``FAULT_SYNC``."""
+    """A producer's source that faults at its second group of sync ``FAULT_SYNC``, or in
+    that sync replayed, at its first release."""
 
     faults: _Faults
     armed = False  # set by the producer for sync ``FAULT_SYNC`` only
@@ -120,8 +121,14 @@ class FaultySource(StateDictSource):
         self.opened += 1
         if self.armed and self.opened == 2:
             self.faults.hit("mid_sync")
-            self.faults.hit("replayed_sync")
         return super().open_group(names)
+
+    def release_group(self, names: Any) -> None:
+        # a replayed sync opens no group one by one; it releases them once its consumers were
+        # told to read: the producer faults while they read
+        if self.armed:
+            self.faults.hit("replayed_sync")
+        super().release_group(names)
 
     def begin_sync(self) -> None:
         self.opened = 0

@@ -357,15 +357,19 @@ class _Run:
                 self._forget(waitables, rank)
         if failures:
             self._collect_more_failures(failures, outcomes)
+            failures = [replace(f, last_op=self._last_op(f.rank)) for f in failures]
             if all(looks_like_consequence(f) for f in failures):  # a peer never arrived
                 live = [r for r in range(n) if r not in outcomes and self.procs[r].is_alive()]
-                failures = [
-                    replace(f, last_op=describe_progress(read_progress(self._progress(f.rank))))
-                    for f in failures
-                ]
                 failures += self._hung(live, failed=[f.rank for f in failures])
             raise self.error(LaunchError, mark_causes(failures))
         return [serialization.loads(outcomes[r].payload) for r in range(n)]
+
+    def _last_op(self, rank: int) -> str:
+        """What ``rank`` was doing when it failed, as its records say; empty without any."""
+        progress = read_progress(self._progress(rank))
+        if progress is None or (progress.coordinator is None and progress.step is None):
+            return ""
+        return describe_progress(progress)
 
     def _read_outcome(self, rank: int) -> WorkerOutcome:
         """Called when rank's result pipe or sentinel is ready: its result, or how it died."""

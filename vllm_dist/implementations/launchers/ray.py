@@ -61,6 +61,7 @@ from vllm_dist.implementations.launchers.progress import (
     lagging_ranks,
     read_progress,
 )
+from vllm_dist.implementations.launchers.ray_reaper import RayReaper, ray_node_pids
 from vllm_dist.interfaces import (
     BackendUnavailableError,
     DistributedTask,
@@ -183,8 +184,8 @@ class RayLauncher(Launcher):
             started = time.monotonic()  # the timeouts count from here, across launches again
             return launch_retrying_taken_ports(lambda: self._launch_once(ray, packed, started))
         finally:
-            if owned and not self._keep_ray:
-                ray.shutdown()
+            if owned is not None and not self._keep_ray:
+                _shutdown(ray, owned)
 
     def _launch_once(self, ray: Any, packed: bytes, started: float) -> list[Any]:
         run = _Run(self, ray, started)
@@ -193,18 +194,21 @@ class RayLauncher(Launcher):
         finally:
             run.stop()
 
-    def _connect(self, ray: Any) -> bool:
-        """Make sure this process is connected to Ray; True when this call connected it."""
+    def _connect(self, ray: Any) -> RayReaper | None:
+        """Make sure this process is connected to Ray; when this call connected it, the reaper
+        of the Ray it started (one that watches nothing after joining a cluster)."""
         if ray.is_initialized():
-            return False
+            return None
         if self._address is not None:
             ray.init(address=self._address, log_to_driver=True)
+            reaper = RayReaper([])
         else:
             needed = math.ceil(self._n_tasks * self._bundle.get("CPU", 0))
             start_private_ray(ray, num_cpus=max(os.cpu_count() or 1, needed))
+            reaper = RayReaper(ray_node_pids(ray))  # its agents die with this process too
         if self._keep_ray:
-            atexit.register(ray.shutdown)  # once per Ray started here; a no-op if already down
-        return True
+            atexit.register(_shutdown, ray, reaper)  # once per Ray started here
+        return reaper
 
     def _remote_class(self, ray: Any) -> Any:
         if self._actor_cls is None:
@@ -534,6 +538,12 @@ class _Run:
         if self._pg is not None:
             with contextlib.suppress(Exception):  # already removed
                 remove_placement_group(self._pg)
+
+
+def _shutdown(ray: Any, reaper: RayReaper) -> None:
+    """Shut down the Ray this process started (a no-op if already down), then its leftovers."""
+    ray.shutdown()
+    reaper.close()
 
 
 def _node_ip(ray: Any) -> str:
