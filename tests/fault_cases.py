@@ -110,8 +110,7 @@ class _Faults:
 
 
 class FaultySource(StateDictSource):
-    """A producer's source that faults at its second group of sync ``FAULT_SYNC``, or in
-    that sync replayed, at its first release."""
+    """A producer's source that faults at its second group of sync ``FAULT_SYNC``."""
 
     faults: _Faults
     armed = False  # set by the producer for sync ``FAULT_SYNC`` only
@@ -123,30 +122,31 @@ class FaultySource(StateDictSource):
             self.faults.hit("mid_sync")
         return super().open_group(names)
 
-    def release_group(self, names: Any) -> None:
-        # a replayed sync opens no group one by one; it releases them once its consumers were
-        # told to read: the producer faults while they read
-        if self.armed:
-            self.faults.hit("replayed_sync")
-        super().release_group(names)
-
     def begin_sync(self) -> None:
         self.opened = 0
         super().begin_sync()
 
 
 class FaultyProducer(WeightProducer):
-    """A producer that arms its source for sync ``FAULT_SYNC`` only."""
+    """A producer that arms its source for sync ``FAULT_SYNC`` only, and faults in that sync
+    replayed once its consumers were told to read it."""
 
     def sync(self) -> Any:
         if isinstance(self.source, FaultySource):
             self.source.armed = self._syncs + 1 == FAULT_SYNC
         return super().sync()
 
+    def _mark(self, event: str) -> None:
+        super()._mark(event)
+        source = self.source
+        if event == "told" and isinstance(source, FaultySource) and source.armed:
+            source.faults.hit("replayed_sync")  # its consumers were told to read the replay
+
 
 class FaultyConsumer(WeightConsumer):
-    """Faults at its second unpack of sync ``FAULT_SYNC`` (or as that sync begins, replayed);
-    on a failed sync, raises a line with its own state beside the ``TornModelError``."""
+    """Faults at its second unpack or landed read of sync ``FAULT_SYNC`` (or as that sync
+    begins, replayed); on a failed sync, raises a line with its own state beside the
+    ``TornModelError``."""
 
     faults: _Faults | None = None
     unpacks = 0
@@ -158,6 +158,11 @@ class FaultyConsumer(WeightConsumer):
     def _unpack_program(self, j: int) -> Any:
         self._count_unpack()
         return super()._unpack_program(j)
+
+    def _mark(self, event: str) -> None:
+        super()._mark(event)
+        if event.startswith(("read done", "unpacked")):  # the READ path: its data has landed
+            self._count_unpack()
 
     def _count_unpack(self) -> None:
         if self._syncs == FAULT_SYNC and self.faults is not None:
