@@ -36,7 +36,7 @@ FAULTS = ("kill", "hang")
 TRANSPORTS = ("torch_distributed", "nixl_rdt")
 FAULT_SYNC = 2  # the sync a mid-sync or replayed-sync fault hits (the first one is whole)
 STALL_S = 3.0  # the transfers' stall timeout: how long a peer waits on a hung one
-COORDINATOR_S = 8.0  # the collectives' timeout (set-up waits in one)
+COORDINATOR_S = 15.0  # the collectives' timeout (set-up waits in one; Ray actors start slowly)
 
 
 @dataclass(frozen=True)

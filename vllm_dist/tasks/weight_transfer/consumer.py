@@ -28,7 +28,7 @@ from vllm_dist.interfaces.dataplane import (
     PreparedReadCommunicator,
     StridedReadCommunicator,
 )
-from vllm_dist.tasks.progress import SyncProgress
+from vllm_dist.tasks import step_record
 from vllm_dist.tasks.weight_transfer._memory import CopyProgram
 from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
@@ -104,7 +104,6 @@ class WeightConsumer(EngineBase):
         if rank not in fleet.consumer_ranks:
             raise ValueError(f"rank {rank} is not a consumer of {fleet}")
         self.consumer_id = fleet.consumer_ranks.index(rank)
-        self.progress = SyncProgress("consumer", self.consumer_id, fleet.producer_ranks)
         self.params = params
         self.route = route
         # where the bytes land: ``params``, or in atomic mode staging copies of those it fills
@@ -446,12 +445,11 @@ class WeightConsumer(EngineBase):
         start = time.perf_counter()
         if self.trace is not None:
             self.trace.clear()
-        self._mark("sync")
+        step_record.sync_begins(self)
         if self._path is None:
             raise RuntimeError("sync() needs setup() (or join()) first")
         self._syncs += 1
         self._packed = 0
-        self.progress.sync_begins(self._syncs, self._pairs)
         try:
             self._replayed = self._path.receive()
         except BaseException as exc:
@@ -462,8 +460,7 @@ class WeightConsumer(EngineBase):
             except BaseException as exc:
                 self._failed(exc, intact=False)
         self._torn = False
-        self._version = self._syncs
-        self.progress.synced(self._syncs)
+        self._version = step_record.synced(self)
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=sum(c.nbytes for c in self.chunks),

@@ -19,7 +19,7 @@ import torch
 
 from vllm_dist.interfaces import DeviceCommunicator, WorkerCoordinator
 from vllm_dist.interfaces.dataplane import AsyncSendRecvCommunicator
-from vllm_dist.tasks.progress import SyncProgress
+from vllm_dist.tasks import step_record
 from vllm_dist.tasks.weight_transfer._memory import shared_empty
 from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
@@ -88,7 +88,6 @@ class WeightProducer(EngineBase):
         if rank not in fleet.producer_ranks:
             raise ValueError(f"rank {rank} is not a producer of {fleet}")
         self.producer_id = fleet.producer_ranks.index(rank)
-        self.progress = SyncProgress("producer", self.producer_id, fleet.consumer_ranks)
         self.source = source
         self.shared_bytes = 0  # share_cpu_weights: source bytes moved into shared memory
         self._schedule: list[tuple[int, int, int]] = []  # (group, consumer, chunk index)
@@ -303,15 +302,15 @@ class WeightProducer(EngineBase):
         start = time.perf_counter()
         if self.trace is not None:
             self.trace.clear()
-        self._mark("sync")
+        step_record.sync_begins(self)
         self.source.begin_sync()
         self._syncs += 1
         self._packed = 0
-        self.progress.sync_begins(self._syncs, self._pairs)
         path = self._path
         replayed = path.begin(start)
         if replayed is not None:
-            return self.progress.synced(self._syncs, replayed)
+            step_record.synced(self)
+            return replayed
         barrier = FreeBarrier(self._group_counts)
         serve = path.serve
         opened: dict[int, Mapping[str, torch.Tensor]] = {}
@@ -327,7 +326,7 @@ class WeightProducer(EngineBase):
                 self._mark(f"opened {g}")
             pair = self._pairs[cid]
             chunk = pair.chunks[i]
-            self.progress.serving(self._syncs, g, cid)
+            step_record.serving(self, g, cid)
             serve(cid, pair, chunk, opened[g], barrier)
             moved += chunk.nbytes
         self._mark("drain")
@@ -336,7 +335,7 @@ class WeightProducer(EngineBase):
         self._raise_pair_errors()
         self._mark("end")
         path.end()
-        self.progress.synced(self._syncs)
+        step_record.synced(self)
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=moved,

@@ -17,11 +17,9 @@ import os
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from typing import Any
 
 from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, TASK_RECORD_BYTES, TASK_RECORD_OFFSET
-
-T = TypeVar("T")
 
 
 class StepRecord:
@@ -61,8 +59,9 @@ class StepRecord:
             os.pwrite(self._fd, data, TASK_RECORD_OFFSET)
 
 
-class SyncProgress(StepRecord):
-    """A weight-sync engine's steps: each call is one line in the engine.
+class SyncSteps(StepRecord):
+    """A weight-sync engine's steps (``sync_begins``, ``serving``, ``synced`` below are the
+    one-line calls its engine makes).
 
     Args:
         role: ``"producer"`` or ``"consumer"``.
@@ -100,8 +99,39 @@ class SyncProgress(StepRecord):
                 (self._peer_ranks[consumer],),
             )
 
-    def synced(self, sync: int, result: T = None) -> T:  # type: ignore[assignment]
-        """Sync ``sync`` returned; returns ``result`` so a ``return`` can carry the call."""
+    def synced(self, sync: int) -> None:
+        """Sync ``sync`` returned."""
         self._serving = None
         self.leave(f"sync {sync}")
-        return result
+
+
+def _steps(engine: Any) -> SyncSteps:
+    """The engine's ``SyncSteps``, made at its first step (kept as ``engine.sync_steps``)."""
+    steps: SyncSteps | None = getattr(engine, "sync_steps", None)
+    if steps is None:
+        fleet = engine.fleet
+        if hasattr(engine, "producer_id"):
+            steps = SyncSteps("producer", engine.producer_id, fleet.consumer_ranks)
+        else:
+            steps = SyncSteps("consumer", engine.consumer_id, fleet.producer_ranks)
+        engine.sync_steps = steps
+    return steps
+
+
+def sync_begins(engine: Any) -> None:
+    """Mark ``"sync"`` in the engine's trace and record that its next sync begins, with the
+    peers it has pairs with (called before the engine counts the sync)."""
+    engine._mark("sync")
+    _steps(engine).sync_begins(engine._syncs + 1, engine._pairs)
+
+
+def serving(engine: Any, group: int, consumer: int) -> None:
+    """Record that a producer serves ``group`` to ``consumer`` in its current sync."""
+    _steps(engine).serving(engine._syncs, group, consumer)
+
+
+def synced(engine: Any) -> int:
+    """Record that the engine's current sync returned; returns that sync's number."""
+    steps = _steps(engine)
+    steps.synced(engine._syncs)
+    return int(engine._syncs)
