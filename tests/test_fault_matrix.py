@@ -59,3 +59,34 @@ def test_fault(case: Case) -> None:
 @distributed_test(timeout=180)
 def test_a_hung_ray_actor_is_named_with_its_sync_step(ray_session) -> None:
     _check(run_case(Case("producer", "mid_sync", "hang", "torch_distributed", "ray")))
+
+
+def test_step_records_sit_beside_the_coordinators_and_name_who_is_waited_on(tmp_path) -> None:
+    from vllm_dist.implementations.coordinators.torch_distributed import ProgressLog
+    from vllm_dist.implementations.launchers.progress import (
+        Progress,
+        describe_progress,
+        lagging_ranks,
+        read_progress,
+    )
+    from vllm_dist.tasks.step_record import SyncSteps
+
+    path = str(tmp_path / "rank0.progress")
+    log = ProgressLog(path)
+    with log.op("all_gather_object", [0, 1, 2]):
+        pass
+    steps = SyncSteps("producer", 0, [1, 2], path=path)
+    steps.sync_begins(2, [0, 1])
+    steps.serving(2, 12, 1)
+    producer = read_progress(path)
+    assert producer is not None and producer.coordinator is not None and producer.step
+    assert producer.coordinator[:2] == ("after", "all_gather_object")  # not overwritten
+    assert producer.step[:3] == ("in", "producer 0: serving group 12 to consumer 1 in sync 2", (2,))
+    assert describe_progress(producer).startswith("in producer 0: serving group 12")
+    # consumer 1 (rank 2) gave up waiting on the producer (rank 0): rank 0 is named, not rank 1
+    waiting = Progress(step=("in", "consumer 1: sync 2, receiving from producer(s) [0]", (0,), 1.0))
+    records = {0: producer, 1: None, 2: waiting}
+    assert lagging_ranks(records, live=[0, 1], failed=[2]) == [0]
+    steps.synced(2)
+    assert read_progress(path).waits_on() == ()  # type: ignore[union-attr]
+    log.close()

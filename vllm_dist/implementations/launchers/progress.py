@@ -64,21 +64,22 @@ def read_progress(path: str) -> Progress | None:
 def describe_progress(progress: Progress | None) -> str:
     """One line for an error: the newest record first, each with how long ago it was written."""
     now = time.time()
-    parts: list[tuple[float, str]] = []
+    parts: list[tuple[float, int, str]] = []  # (time, 0 for the task's step, text)
     if progress is not None and progress.coordinator is not None:
         state, op, n, group, t = progress.coordinator
         where = "inside" if state == "in" else "returned from"
-        parts.append((t, f"{where} {op} #{n} on ranks {list(group)}, {now - t:.1f} s ago"))
+        ago = max(0.0, now - t)
+        parts.append((t, 1, f"{where} {op} #{n} on ranks {list(group)}, {ago:.1f} s ago"))
     if progress is not None and progress.step is not None:
         state, step, _, t = progress.step
         where = "in" if state == "in" else "after"
-        parts.append((t, f"{where} {step}, {now - t:.1f} s ago"))
+        parts.append((t, 0, f"{where} {step}, {max(0.0, now - t):.1f} s ago"))
     if not parts:
         return "none entered yet"
-    parts.sort(key=lambda p: -p[0])
+    parts.sort(key=lambda p: (-p[0], p[1]))  # newest first; the step, more precise, on a tie
     if len(parts) == 1:
-        return parts[0][1]
-    return f"{parts[0][1]} (before that: {parts[1][1]})"
+        return parts[0][2]
+    return f"{parts[0][2]} (before that: {parts[1][2]})"
 
 
 def lagging_ranks(
