@@ -7,17 +7,17 @@ port found free *on that node*, local ranks counted per node), then runs the pac
 actor and waits on all of them at once. The first failed rank or dead actor ends the launch; every
 actor is killed and the placement group removed before ``launch()`` returns or raises. At a
 timeout, or when every failure is a reaction to a peer, a small actor on each live rank's node
-reads that rank's last coordinator operation and its stacks, so the rank that never arrived is
-named first; every failure names its node. Rejected: asking the actor itself from a second
+reads that rank's progress records (its last coordinator operation and data-plane step) and its
+stacks, so the rank that never arrived is named first; every failure names its node. Rejected: asking the actor itself from a second
 concurrency group, which makes Ray run every method, the task too, off the main thread.
 
 The task travels as the bytes ``pack_launch`` makes (our cloudpickle, with dynamic modules by
 value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``; the
 launch secret in ``WorkerInfo`` reaches the actors that way too, never through their environment.
 
-Without ``address=`` the launcher starts a private Ray for this process instead of joining the
-cluster that ``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be
-another user's; with Ray's token authentication on (Ray's default for a new cluster; only tests
+Without ``address=`` the launcher starts a private Ray for this process (and a ``RayReaper`` that
+stops all of it, agents included, when this process dies) instead of joining the cluster that
+``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be another user's; with Ray's token authentication on (Ray's default for a new cluster; only tests
 turn it off) the token file it creates is readable by its owner only. What stays Ray's: its GCS
 and raylets listen on every interface, so the token is what keeps other users out; the token
 travels in clear gRPC metadata unless Ray's TLS is on; any process of the same user can read it.
