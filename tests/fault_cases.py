@@ -11,6 +11,8 @@ consumer itself reported it, and the worker processes left alive afterwards. Sha
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
 import signal
@@ -98,15 +100,20 @@ def _fault_here(fault: str) -> None:
 class _Faults:
     """The fault a task was launched with, and whether this rank is the one it hits."""
 
-    def __init__(self, spec: dict[str, Any], rank: int, pid_dir: str) -> None:
+    def __init__(self, spec: dict[str, Any], rank: int, pid_dir: str | None = None) -> None:
         self.spec = spec
         self.mine = rank == spec["rank"]
-        with open(os.path.join(pid_dir, str(os.getpid())), "w"):
-            pass  # the test looks for this pid afterwards
+        if pid_dir is not None:
+            with open(os.path.join(pid_dir, str(os.getpid())), "w"):
+                pass  # the test looks for this pid afterwards
+        os.environ[_FAULT_ENV] = json.dumps(spec)  # for the engine, built by the base task
 
     def hit(self, phase: str) -> None:
         if self.mine and self.spec["phase"] == phase:
             _fault_here(self.spec["fault"])
+
+
+_FAULT_ENV = "VLLM_DIST_TEST_FAULT"
 
 
 class FaultySource(StateDictSource):
@@ -148,8 +155,13 @@ class FaultyConsumer(WeightConsumer):
     begins, replayed); on a failed sync, raises a line with its own state beside the
     ``TornModelError``."""
 
-    faults: _Faults | None = None
     unpacks = 0
+
+    @functools.cached_property
+    def faults(self) -> _Faults | None:
+        """The fault of this launch (the task sets it in this worker's environment)."""
+        spec = os.environ.get(_FAULT_ENV)
+        return None if spec is None else _Faults(json.loads(spec), self.coordinator.get_rank())
 
     def _unpacker(self, j: int) -> Any:
         self._count_unpack()
@@ -203,7 +215,6 @@ class FaultyTask(LlamaTransferTask):
     def make_consumer(self, consumer_idx: int, num_consumers: int, **kw: Any) -> Any:
         faults = self._faults(kw["fault"], kw["pid_dir"])
         faults.hit("setup")
-        FaultyConsumer.faults = faults
         self._fault_state = faults
         return super().make_consumer(consumer_idx, num_consumers, **kw)
 
