@@ -11,7 +11,6 @@ consumer itself reported it, and the worker processes left alive afterwards. Sha
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -151,17 +150,20 @@ class FaultyProducer(WeightProducer):
 
 
 class FaultyConsumer(WeightConsumer):
-    """Faults at its second unpack or landed read of sync ``FAULT_SYNC`` (or as that sync
+    """Faults at its second unpack or first landed read of sync ``FAULT_SYNC`` (or as that sync
     begins, replayed); on a failed sync, raises a line with its own state beside the
     ``TornModelError``."""
 
     unpacks = 0
 
-    @functools.cached_property
+    @property
     def faults(self) -> _Faults | None:
         """The fault of this launch (the task sets it in this worker's environment)."""
-        spec = os.environ.get(_FAULT_ENV)
-        return None if spec is None else _Faults(json.loads(spec), self.coordinator.get_rank())
+        if "_faults" not in self.__dict__:
+            spec = os.environ.get(_FAULT_ENV)
+            rank = self.coordinator.get_rank()
+            self.__dict__["_faults"] = None if spec is None else _Faults(json.loads(spec), rank)
+        return self.__dict__["_faults"]  # type: ignore[no-any-return]
 
     def _unpacker(self, j: int) -> Any:
         self._count_unpack()
@@ -173,8 +175,8 @@ class FaultyConsumer(WeightConsumer):
 
     def _mark(self, event: str) -> None:
         super()._mark(event)
-        if event.startswith(("read done", "unpacked")):  # the READ path: its data has landed
-            self._count_unpack()
+        if event == "read done" and self._syncs == FAULT_SYNC and self.faults is not None:
+            self.faults.hit("mid_sync")  # the READ path: a first batch has landed, unreported
 
     def _count_unpack(self) -> None:
         if self._syncs == FAULT_SYNC and self.faults is not None:
