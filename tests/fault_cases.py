@@ -248,8 +248,11 @@ def make_launcher(case: Case, timeout: float) -> Launcher:
 _STATE = re.compile(r"STATE consumer=(\d+) torn=(\w+) version=(\w+) target=(\w+)")
 
 
-def run_case(case: Case, timeout: float = 60.0, gone_wait: float = 15.0) -> Outcome:
-    """Launch ``case``'s fleet for three syncs, with its fault, and report what it ended with."""
+def run_case(case: Case, timeout: float | None = None, gone_wait: float = 15.0) -> Outcome:
+    """Launch ``case``'s fleet for three syncs, with its fault, and report what it ended with;
+    ``timeout``: the launch's (default 60 s, 120 s under Ray, whose actors start slower)."""
+    if timeout is None:
+        timeout = 120.0 if case.launcher == "ray" else 60.0
     from tests.test_launcher import _wait_gone
 
     pid_dir = tempfile.mkdtemp(prefix="faults-")
