@@ -4,7 +4,7 @@ Question: for each fault (role x phase x kill/hang x transport x launcher), the 
 launch to its error, the rank the error lists first and what it says that rank was doing, the
 consumers' state (torn, version) as they reported it, and the worker processes left alive after
 a bounded wait. Each case is one launch of a producer and a consumer on the CPU
-(``tests/fault_cases.py``); the transfers' stall timeout is 3 s, the collectives' 15 s.
+(``tests/fault_cases.py``); the transfers' stall timeout is 3 s, the collectives' 8 s (15 s under Ray).
 
 Prints the fault table as markdown and writes it to ``--out`` (JSON). ``--launchers mp,ray``
 adds the Ray subset (mid-sync and between-sync faults of the send/recv path); ``--only`` keeps

@@ -37,7 +37,8 @@ FAULTS = ("kill", "hang")
 TRANSPORTS = ("torch_distributed", "nixl_rdt")
 FAULT_SYNC = 2  # the sync a mid-sync or replayed-sync fault hits (the first one is whole)
 STALL_S = 3.0  # the transfers' stall timeout: how long a peer waits on a hung one
-COORDINATOR_S = 15.0  # the collectives' timeout (set-up waits in one; Ray actors start slowly)
+# the collectives' timeout per launcher (a set-up fault ends there; Ray actors start slower)
+COORDINATOR_S = {"mp": 8.0, "ray": 15.0}
 
 
 @dataclass(frozen=True)
@@ -257,9 +258,10 @@ def run_case(case: Case, timeout: float | None = None, gone_wait: float = 15.0) 
 
     pid_dir = tempfile.mkdtemp(prefix="faults-")
     comm = CommunicatorType(case.transport)
-    kw: dict[str, Any] = {"coordinator_options": {"timeout": COORDINATOR_S}}
+    wait = COORDINATOR_S[case.launcher]
+    kw: dict[str, Any] = {"coordinator_options": {"timeout": wait}}
     if comm == CommunicatorType.NIXL_RDT:
-        kw["communicator_options"] = {"timeout": COORDINATOR_S}
+        kw["communicator_options"] = {"timeout": wait}
     spec = {"rank": case.rank, "phase": case.phase, "fault": case.fault}
     start = time.monotonic()
     error: BaseException | None = None
