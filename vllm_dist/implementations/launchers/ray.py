@@ -8,8 +8,9 @@ actor and waits on all of them at once. The first failed rank or dead actor ends
 actor is killed and the placement group removed before ``launch()`` returns or raises. At a
 timeout, or when every failure is a reaction to a peer, a small actor on each live rank's node
 reads that rank's progress records (its last coordinator operation and data-plane step) and its
-stacks, so the rank that never arrived is named first; every failure names its node. Rejected: asking the actor itself from a second
-concurrency group, which makes Ray run every method, the task too, off the main thread.
+stacks, so the rank that never arrived is named first; every failure names its node. Rejected:
+asking the actor itself from a second concurrency group, which makes Ray run every method, the
+task too, off the main thread.
 
 The task travels as the bytes ``pack_launch`` makes (our cloudpickle, with dynamic modules by
 value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``; the
@@ -17,8 +18,9 @@ launch secret in ``WorkerInfo`` reaches the actors that way too, never through t
 
 Without ``address=`` the launcher starts a private Ray for this process (and a ``RayReaper`` that
 stops all of it, agents included, when this process dies) instead of joining the cluster that
-``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be another user's; with Ray's token authentication on (Ray's default for a new cluster; only tests
-turn it off) the token file it creates is readable by its owner only. What stays Ray's: its GCS
+``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be another user's;
+with Ray's token authentication on (Ray's default for a new cluster; only tests turn it off) the
+token file it creates is readable by its owner only. What stays Ray's: its GCS
 and raylets listen on every interface, so the token is what keeps other users out; the token
 travels in clear gRPC metadata unless Ray's TLS is on; any process of the same user can read it.
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-POLL_S = 1.0  # how often the reaper refreshes its list of Ray's processes
+POLL_S = 0.25  # how often the reaper refreshes its list of Ray's processes
 
 _REAPER = r"""
 import os, select, signal, sys
@@ -58,7 +58,7 @@ def tree(known):
     return known
 
 
-known = {}
+known = tree({})
 while True:
     ready, _, _ = select.select([0], [], [], poll)
     if ready and not os.read(0, 1):
