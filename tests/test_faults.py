@@ -181,8 +181,10 @@ class CleanExit(GlobalCoordinatorDistributedTask):
 
 
 @distributed_test(timeout=180)
-def test_ten_clean_launches_end_with_exit_code_zero() -> None:
-    for _ in range(10):
+def test_clean_launches_end_with_exit_code_zero() -> None:
+    """Six launches: twelve workers that hold gloo pairs end with code 0 (a crash at exit
+    after the result would fail the launch)."""
+    for _ in range(6):
         assert MPLauncher(2, timeout=90).launch(task_type=CleanExit, **BACKENDS) == [1, 1]
 
 

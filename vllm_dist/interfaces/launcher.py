@@ -17,6 +17,10 @@ LAUNCH_ID_ENV = "VLLM_DIST_LAUNCH_ID"  # WorkerInfo.launch_id in a worker's envi
 # a file where a worker's coordinator records the operation it entered last; the launcher reads it
 # to name the rank that never arrived when a collective or the launch times out
 PROGRESS_FILE_ENV = "VLLM_DIST_PROGRESS_FILE"
+# the file's second record, from this byte on: the task's last data-plane step (the coordinator's
+# record fills the bytes before it), ``in|after <who>: <step> peers=[<ranks>] t=<time.time()>``
+TASK_RECORD_OFFSET = 200
+TASK_RECORD_BYTES = 200
 # the launch's shared secret (hex) for workers that a vllm_dist launcher did not start (torchrun,
 # srun, mpirun); our launchers hand it over their own channel and never export it
 SECRET_ENV = "VLLM_DIST_SECRET"
@@ -114,7 +118,7 @@ class WorkerFailure:
     happened (``time.time()``, as the worker or else the parent saw it), which orders causes.
     ``cause``: False for a consequence of another rank's failure (a peer that closed its
     connection, a collective that timed out waiting for it). ``last_op``: the coordinator
-    operation the rank entered last, when the launcher knows it. ``port_taken``: the worker ended
+    operation and the data-plane step the rank entered last, when the launcher knows them. ``port_taken``: the worker ended
     on ``RendezvousPortTakenError`` for the launch's own rendezvous port, so launching again on
     another port helps. ``log_files``: where the launcher wrote this rank's output and its error
     file, when it was asked to (``MPLauncher(log_dir=...)``).
@@ -163,7 +167,7 @@ class LaunchError(RuntimeError):
             if not f.cause and causes:
                 after = f" (waiting for rank {causes[0]})" if waits else ""
                 after = after or f" (after rank {causes[0]} failed)"
-            last = f" [last coordinator operation: {f.last_op}]" if f.last_op else ""
+            last = f" [last operation: {f.last_op}]" if f.last_op else ""
             parts.append(f"--- rank {f.rank}{after}: {f.reason}{last}")
             if f.log_files:
                 parts.append(f"    logs: {', '.join(f.log_files)}")

@@ -205,6 +205,7 @@ _CONSEQUENCE_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
+    "TransferStallError",  # a weight sync that waited out its stall timeout on a peer
     "CoordinatorTimeoutError",
     "DistNetworkError",
     "Socket Timeout",
@@ -220,7 +221,7 @@ def looks_like_consequence(failure: WorkerFailure) -> bool:
     if failure.kind != "raised" or not failure.traceback:
         return False
     last = failure.traceback.strip().splitlines()[-1:] or [""]
-    return any(m in failure.traceback for m in _CONSEQUENCE_MARKERS[:3]) or any(
+    return any(m in failure.traceback for m in _CONSEQUENCE_MARKERS[:4]) or any(
         m in last[0] for m in _CONSEQUENCE_MARKERS
     )
 

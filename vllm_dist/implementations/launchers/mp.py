@@ -24,7 +24,6 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
-import re
 import shutil
 import signal
 import sys
@@ -59,6 +58,11 @@ from vllm_dist.implementations.launchers.common import (
     tries_failed,
     unguarded_launch_error,
     worker_env,
+)
+from vllm_dist.implementations.launchers.progress import (
+    describe_progress,
+    lagging_ranks,
+    read_progress,
 )
 from vllm_dist.interfaces import (
     DistributedTask,
@@ -263,6 +267,9 @@ class _Run:
     def _file(self, rank: int, what: str) -> str:
         return os.path.join(self._dir, f"rank{rank}.{what}")
 
+    def _progress(self, rank: int) -> str:
+        return self._file(rank, "progress")
+
     def _log_dir(self, rank: int) -> str | None:
         if self._run_dir is None:
             return None
@@ -306,7 +313,7 @@ class _Run:
             sinks = {s: self._sinks(info.rank, s) for s in output.STREAMS}
         env = {
             **self._launcher._env,
-            PROGRESS_FILE_ENV: self._file(info.rank, "progress"),
+            PROGRESS_FILE_ENV: self._progress(info.rank),
             RESTART_COUNT_ENV: str(info.restart_count),  # torchrun's, read by WorkerInfo.from_env
         }
         files = _WorkerFiles(stacks=self._file(info.rank, "stacks"))
@@ -350,17 +357,19 @@ class _Run:
                 self._forget(waitables, rank)
         if failures:
             self._collect_more_failures(failures, outcomes)
+            failures = [replace(f, last_op=self._last_op(f.rank)) for f in failures]
             if all(looks_like_consequence(f) for f in failures):  # a peer never arrived
                 live = [r for r in range(n) if r not in outcomes and self.procs[r].is_alive()]
-                failures = [
-                    replace(
-                        f, last_op=_describe_record(_read_record(self._file(f.rank, "progress")))
-                    )
-                    for f in failures
-                ]
-                failures += self._hung(live)
+                failures += self._hung(live, failed=[f.rank for f in failures])
             raise self.error(LaunchError, mark_causes(failures))
         return [serialization.loads(outcomes[r].payload) for r in range(n)]
+
+    def _last_op(self, rank: int) -> str:
+        """What ``rank`` was doing when it failed, as its records say; empty without any."""
+        progress = read_progress(self._progress(rank))
+        if progress is None or (progress.coordinator is None and progress.step is None):
+            return ""
+        return describe_progress(progress)
 
     def _read_outcome(self, rank: int) -> WorkerOutcome:
         """Called when rank's result pipe or sentinel is ready: its result, or how it died."""
@@ -405,14 +414,15 @@ class _Run:
                 outcomes[rank] = WorkerOutcome(ok=False)
                 failures.append(self._failure(rank, WorkerOutcome(ok=False)))
 
-    def _hung(self, ranks: list[int]) -> list[WorkerFailure]:
-        """The ranks still running, each with its last coordinator operation and its stacks;
-        ``cause`` marks the ones that lag behind (never arrived where the others wait)."""
+    def _hung(self, ranks: list[int], failed: Sequence[int] = ()) -> list[WorkerFailure]:
+        """The ranks still running, each with its last operation and its stacks; ``cause``
+        marks the ones that lag behind (the ``failed`` ranks waited for them, or they never
+        arrived where the others wait)."""
         if not ranks:
             return []
-        records = {r: _read_record(self._file(r, "progress")) for r in range(len(self.procs))}
+        records = {r: read_progress(self._progress(r)) for r in range(len(self.procs))}
         stacks = _dump_stacks({r: self.procs[r] for r in ranks}, self._file)
-        lagging = set(_lagging(records, ranks)) or set(ranks)
+        lagging = set(lagging_ranks(records, ranks, failed)) or set(ranks)
         now = time.time()
         return [
             WorkerFailure(
@@ -422,7 +432,7 @@ class _Run:
                 kind="hung",
                 at=now,
                 cause=r in lagging,
-                last_op=_describe_record(records.get(r)),
+                last_op=describe_progress(records.get(r)),
             )
             for r in ranks
         ]
@@ -488,46 +498,6 @@ class _Run:
         for conn in self.results:
             conn.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-_RECORD = re.compile(r"(in|after) (.+?) #(\d+) group=\[([\d, ]*)\] t=([\d.]+)")
-
-
-def _read_record(path: str) -> tuple[str, str, int, tuple[int, ...], float] | None:
-    """A worker's last coordinator record: (state, operation, number, group, time), or None."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read().decode(errors="replace").strip()
-    except OSError:
-        return None
-    m = _RECORD.fullmatch(text)
-    if m is None:
-        return None
-    group = tuple(int(x) for x in m.group(4).split(",") if x.strip())
-    return m.group(1), m.group(2), int(m.group(3)), group, float(m.group(5))
-
-
-def _describe_record(record: tuple[str, str, int, tuple[int, ...], float] | None) -> str:
-    if record is None:
-        return "none entered yet"
-    state, op, n, group, t = record
-    where = "inside" if state == "in" else "returned from"
-    return f"{where} {op} #{n} on ranks {list(group)}, {time.time() - t:.1f} s ago"
-
-
-def _lagging(records: Mapping[int, Any], live: list[int]) -> list[int]:
-    """Live ranks that did not arrive where others wait: not inside a coordinator operation
-    while a peer of the group is, or inside an earlier one of the same group."""
-    out = []
-    for r in live:
-        mine = records.get(r)
-        for peer, rec in records.items():
-            if peer == r or rec is None or rec[0] != "in" or r not in rec[3]:
-                continue
-            if mine is None or mine[0] != "in" or (mine[3] == rec[3] and mine[2] < rec[2]):
-                out.append(r)
-                break
-    return out
 
 
 def _dump_stacks(procs: Mapping[int, Any], path_of: Any, wait: float = 2.0) -> dict[int, str]:

@@ -7,18 +7,20 @@ port found free *on that node*, local ranks counted per node), then runs the pac
 actor and waits on all of them at once. The first failed rank or dead actor ends the launch; every
 actor is killed and the placement group removed before ``launch()`` returns or raises. At a
 timeout, or when every failure is a reaction to a peer, a small actor on each live rank's node
-reads that rank's last coordinator operation and its stacks, so the rank that never arrived is
-named first; every failure names its node. Rejected: asking the actor itself from a second
-concurrency group, which makes Ray run every method, the task too, off the main thread.
+reads that rank's progress records (its last coordinator operation and data-plane step) and its
+stacks, so the rank that never arrived is named first; every failure names its node. Rejected:
+asking the actor itself from a second concurrency group, which makes Ray run every method, the
+task too, off the main thread.
 
 The task travels as the bytes ``pack_launch`` makes (our cloudpickle, with dynamic modules by
 value), so Ray's own pickler only ever sees bytes, ``WorkerInfo`` and ``WorkerOutcome``; the
 launch secret in ``WorkerInfo`` reaches the actors that way too, never through their environment.
 
-Without ``address=`` the launcher starts a private Ray for this process instead of joining the
-cluster that ``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be
-another user's; with Ray's token authentication on (Ray's default for a new cluster; only tests
-turn it off) the token file it creates is readable by its owner only. What stays Ray's: its GCS
+Without ``address=`` the launcher starts a private Ray for this process (and a ``RayReaper`` that
+stops all of it, agents included, when this process dies) instead of joining the cluster that
+``RAY_ADDRESS`` or a running ``ray start`` names, which on a shared host can be another user's;
+with Ray's token authentication on (Ray's default for a new cluster; only tests turn it off) the
+token file it creates is readable by its owner only. What stays Ray's: its GCS
 and raylets listen on every interface, so the token is what keeps other users out; the token
 travels in clear gRPC metadata unless Ray's TLS is on; any process of the same user can read it.
 
@@ -56,11 +58,12 @@ from vllm_dist.implementations.launchers.common import (
     raised_failure,
     run_packed_task,
 )
-from vllm_dist.implementations.launchers.mp import (  # progress records, read as MPLauncher does
-    _describe_record,
-    _lagging,
-    _read_record,
+from vllm_dist.implementations.launchers.progress import (
+    describe_progress,
+    lagging_ranks,
+    read_progress,
 )
+from vllm_dist.implementations.launchers.ray_reaper import RayReaper, ray_node_pids
 from vllm_dist.interfaces import (
     BackendUnavailableError,
     DistributedTask,
@@ -183,8 +186,8 @@ class RayLauncher(Launcher):
             started = time.monotonic()  # the timeouts count from here, across launches again
             return launch_retrying_taken_ports(lambda: self._launch_once(ray, packed, started))
         finally:
-            if owned and not self._keep_ray:
-                ray.shutdown()
+            if owned is not None and not self._keep_ray:
+                _shutdown(ray, owned)
 
     def _launch_once(self, ray: Any, packed: bytes, started: float) -> list[Any]:
         run = _Run(self, ray, started)
@@ -193,18 +196,21 @@ class RayLauncher(Launcher):
         finally:
             run.stop()
 
-    def _connect(self, ray: Any) -> bool:
-        """Make sure this process is connected to Ray; True when this call connected it."""
+    def _connect(self, ray: Any) -> RayReaper | None:
+        """Make sure this process is connected to Ray; when this call connected it, the reaper
+        of the Ray it started (one that watches nothing after joining a cluster)."""
         if ray.is_initialized():
-            return False
+            return None
         if self._address is not None:
             ray.init(address=self._address, log_to_driver=True)
+            reaper = RayReaper([])
         else:
             needed = math.ceil(self._n_tasks * self._bundle.get("CPU", 0))
             start_private_ray(ray, num_cpus=max(os.cpu_count() or 1, needed))
+            reaper = RayReaper(ray_node_pids(ray))  # its agents die with this process too
         if self._keep_ray:
-            atexit.register(ray.shutdown)  # once per Ray started here; a no-op if already down
-        return True
+            atexit.register(_shutdown, ray, reaper)  # once per Ray started here
+        return reaper
 
     def _remote_class(self, ray: Any) -> Any:
         if self._actor_cls is None:
@@ -273,7 +279,7 @@ class _RankActor:
             return run_packed_task(packed, info)
         finally:
             faulthandler.unregister(signal.SIGUSR1)
-            self._final_record = _read_record(f"/proc/self/fd/{progress.fileno()}")
+            self._final_record = read_progress(f"/proc/self/fd/{progress.fileno()}")
             for f in self._files:
                 f.close()
             self._files = []
@@ -290,7 +296,7 @@ class _Peeker:
     def peek(self, targets: list[tuple[int, tuple[int, int]]], wait: float) -> list[Any]:
         """``(last coordinator record, stacks)`` of each ``(pid, files)`` of ``targets``."""
         paths = [tuple(f"/proc/{pid}/fd/{fd}" for fd in files) for pid, files in targets]
-        records = [_read_record(progress) for progress, _ in paths]
+        records = [read_progress(progress) for progress, _ in paths]
         asked = []
         for (pid, _), (_, stacks) in zip(targets, paths, strict=True):
             try:
@@ -473,7 +479,7 @@ class _Run:
         behind where the others wait are marked as the cause."""
         reports = self._reports([f.rank for f in failures], live)
         records = {r: record for r, (record, _) in reports.items()}
-        lagging = set(_lagging(records, live)) or set(live)
+        lagging = set(lagging_ranks(records, live, [f.rank for f in failures])) or set(live)
         now = time.time()
         hung = []
         for r in live:
@@ -485,10 +491,10 @@ class _Run:
                 kind="hung",
                 at=now,
                 cause=r in lagging,
-                last_op=_describe_record(records.get(r)),
+                last_op=describe_progress(records.get(r)),
             )
             hung.append(self._on_node(failure))
-        done = [replace(f, last_op=_describe_record(records.get(f.rank))) for f in failures]
+        done = [replace(f, last_op=describe_progress(records.get(f.rank))) for f in failures]
         return done + hung
 
     def _reports(self, done: list[int], live: list[int]) -> dict[int, tuple[Any, str]]:
@@ -534,6 +540,12 @@ class _Run:
         if self._pg is not None:
             with contextlib.suppress(Exception):  # already removed
                 remove_placement_group(self._pg)
+
+
+def _shutdown(ray: Any, reaper: RayReaper) -> None:
+    """Shut down the Ray this process started (a no-op if already down), then its leftovers."""
+    ray.shutdown()
+    reaper.close()
 
 
 def _node_ip(ray: Any) -> str:

@@ -28,6 +28,7 @@ from vllm_dist.interfaces.dataplane import (
     PreparedReadCommunicator,
     StridedReadCommunicator,
 )
+from vllm_dist.tasks import step_record
 from vllm_dist.tasks.weight_transfer._memory import CopyProgram
 from vllm_dist.tasks.weight_transfer.config import (
     Fleet,
@@ -444,7 +445,7 @@ class WeightConsumer(EngineBase):
         start = time.perf_counter()
         if self.trace is not None:
             self.trace.clear()
-        self._mark("sync")
+        step_record.sync_begins(self)
         if self._path is None:
             raise RuntimeError("sync() needs setup() (or join()) first")
         self._syncs += 1
@@ -459,7 +460,7 @@ class WeightConsumer(EngineBase):
             except BaseException as exc:
                 self._failed(exc, intact=False)
         self._torn = False
-        self._version = self._syncs
+        self._version = step_record.synced(self)
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=sum(c.nbytes for c in self.chunks),

@@ -19,6 +19,7 @@ import torch
 
 from vllm_dist.interfaces import DeviceCommunicator, WorkerCoordinator
 from vllm_dist.interfaces.dataplane import AsyncSendRecvCommunicator
+from vllm_dist.tasks import step_record
 from vllm_dist.tasks.weight_transfer import progress
 from vllm_dist.tasks.weight_transfer._memory import shared_empty
 from vllm_dist.tasks.weight_transfer.config import (
@@ -306,13 +307,14 @@ class WeightProducer(EngineBase):
         start = time.perf_counter()
         if self.trace is not None:
             self.trace.clear()
-        self._mark("sync")
+        step_record.sync_begins(self)
         self.source.begin_sync()
         self._syncs += 1
         self._packed = 0
         path = self._path
         replayed = path.begin(start)
         if replayed is not None:
+            step_record.synced(self)
             return replayed
         barrier = FreeBarrier(self._group_counts)
         serve = path.serve
@@ -329,6 +331,7 @@ class WeightProducer(EngineBase):
                 self._mark(f"opened {g}")
             pair = self._pairs[cid]
             chunk = pair.chunks[i]
+            step_record.serving(self, g, cid)
             serve(cid, pair, chunk, opened[g], barrier)
             moved += chunk.nbytes
         self._mark("drain")
@@ -337,6 +340,7 @@ class WeightProducer(EngineBase):
         self._raise_pair_errors()
         self._mark("end")
         path.end()
+        step_record.synced(self)
         return SyncStats(
             seconds=time.perf_counter() - start,
             bytes=moved,
