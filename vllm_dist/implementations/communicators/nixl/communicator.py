@@ -294,6 +294,29 @@ class NixlRdtCommunicator(DeviceCommunicator):
         self._peers.load(rank, desc.metadata, desc.epoch, full=True)
         self._peers.exposed[rank][desc.name] = desc
 
+    def peer_info(self) -> tuple[str, bytes]:
+        """(agent name, full metadata) of this worker, for a peer's ``add_peer``."""
+        return self._name, bytes(self._slot.get().get_agent_metadata())
+
+    def add_peer(self, rank: int, info: tuple[str, bytes]) -> None:
+        """Take peer ``rank`` (its ``peer_info()``) in at run time: a member that joined an
+        elastic fleet after this communicator was made, or a new process in a dead one's rank."""
+        self._check_peer(rank)
+        self.remove_peer(rank)
+        self._peers.add(rank, info[0], info[1])
+        self._cache.shared_epoch[rank] = -1  # its first descriptor carries full metadata
+
+    def remove_peer(self, rank: int) -> None:
+        """Forget peer ``rank`` (it died or left): its agent, descriptors, mappings and queued
+        notifications, so a new process in that rank starts clean."""
+        self._peers.remove(rank)
+        self._cache.shared_epoch.pop(rank, None)
+        for reg in self._cache.regs.values():
+            reg.shared_with.discard(rank)
+        self._maps.forget(rank)
+        self._planner.clear()  # cached copy views may hold the peer's mapped memory
+        self._tp.mailbox.forget(rank)
+
     def decode_exposed(self, data: bytes) -> ExposedBuffer:
         """The ``ExposedBuffer`` a peer's ``to_bytes`` wrote (checked JSON, never a pickle).
 

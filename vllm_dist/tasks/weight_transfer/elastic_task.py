@@ -1,0 +1,242 @@
+"""ElasticTransferTask: a launch of producers or consumers that joins a running elastic fleet.
+
+Each launch is its own ``MPLauncher`` (or any launcher) launch: a trainer launch of the ``P``
+producers, and any number of consumer launches (an inference replica each, ``workers_per_replica``
+workers in slots ``slot .. slot + n - 1``) that come, die and come back while the producers keep
+syncing. The fleet's store is served outside every launch (``AuthStoreServer``: a small store
+process or the driver), so any launch may die. A consumer reports itself not ready until its
+first complete sync (``Member.set_ready``). The hooks are ``WeightTransferTask``'s.
+
+The producers run until ``request_stop`` is set in the store (or ``max_syncs``): producer 0 then
+publishes the number of the last sync, and every consumer stops after it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from vllm_dist import registry
+from vllm_dist.implementations.coordinators.membership import (
+    Fleet,
+    Member,
+    MembershipConfig,
+)
+from vllm_dist.implementations.coordinators.store_coordinator import StoreCoordinator
+from vllm_dist.tasks.weight_transfer.config import TransferConfig
+from vllm_dist.tasks.weight_transfer.elastic import (
+    ElasticConsumer,
+    ElasticProducer,
+    SlotCoordinator,
+    slot_fleet,
+    wait_for_producers,
+)
+from vllm_dist.tasks.weight_transfer.task import WeightTransferTask, _token_bytes
+
+STOP_KEY = "wt/stop"
+FINAL_KEY = "wt/final"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ElasticSpec:
+    """Where a launch finds its elastic fleet and which slots it takes.
+
+    Args:
+        host: the fleet store's address.
+        port: the fleet store's port.
+        role: ``"producer"`` (the trainer launch) or ``"consumer"``.
+        slot: the slot of the launch's rank 0 (rank r takes ``slot + r``).
+        num_producers: producers of the fleet.
+        capacity: consumer slots of the fleet (a multiple of ``workers_per_replica``).
+        token: the fleet's secret (hex or bytes, as ``JoinSpec``); never printed.
+        membership: heartbeats, leases and message bounds (``MembershipConfig``).
+    """
+
+    host: str
+    port: int
+    role: str
+    slot: int
+    num_producers: int
+    capacity: int
+    token: str | bytes = field(repr=False, compare=False)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("producer", "consumer"):
+            raise ValueError(f"role must be 'producer' or 'consumer', got {self.role!r}")
+        if self.num_producers < 1 or self.capacity < 1 or self.slot < 0:
+            raise ValueError("an elastic fleet needs producers, consumer slots and a slot >= 0")
+        _token_bytes(self.token, "ElasticSpec(token=...)")
+
+    def secret(self) -> bytes:
+        return _token_bytes(self.token, "ElasticSpec(token=...)")
+
+
+def request_stop(fleet: Fleet) -> None:
+    """Ask the producers to end after their next sync (any holder of the secret may)."""
+    fleet.store.set(fleet.k(STOP_KEY), b"1")
+
+
+def elastic_config(config: TransferConfig | None) -> TransferConfig:
+    """``config`` as an elastic fleet runs it: without replayed syncs (a replay waits on every
+    consumer at once, and a consumer that left mid-sync must be given up on alone)."""
+    return replace(config or TransferConfig(), replay=False)
+
+
+class ElasticTransferTask(WeightTransferTask):
+    """``launch(..., elastic=ElasticSpec(...), communicator_type=..., device=None,
+    communicator_options=None, config=None, pace_s=0.05, max_syncs=100000, **task_kwargs)``.
+
+    Returns per rank a dict: the role, slot, member id, per-sync stats, the hooks' outputs,
+    fleet changes seen by producers (``events``), and for a consumer ``started``/``ready``
+    (``time.time()`` at its start and at the end of its first complete sync) and ``version``.
+    """
+
+    @classmethod
+    def check_launch_kwargs(cls, world_size: int, **kwargs: Any) -> None:
+        spec = kwargs.get("elastic")
+        if not isinstance(spec, ElasticSpec):
+            raise TypeError(f"elastic must be an ElasticSpec, got {type(spec).__name__}")
+        registry.get_communicator_class(kwargs["communicator_type"])
+
+    def run(  # type: ignore[override]
+        self,
+        *,
+        elastic: ElasticSpec,
+        communicator_type: registry.CommunicatorKey,
+        device: str | None = None,
+        communicator_options: dict[str, Any] | None = None,
+        config: TransferConfig | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        started = time.time()
+        info = self.worker_info
+        slot = elastic.slot + info.rank
+        config = elastic_config(config)
+        coord = SlotCoordinator(
+            elastic.role,
+            slot,
+            num_producers=elastic.num_producers,
+            capacity=elastic.capacity,
+            timeout=config.stall_timeout,
+            local_rank=info.local_rank,
+            local_world_size=info.local_world_size,
+        )
+        comm_cls = registry.get_communicator_class(communicator_type)
+        self.communicator = comm_cls(coord, device=device, **(communicator_options or {}))  # type: ignore[call-arg]
+        self.device = self.communicator.device
+        fleet = Fleet(elastic.host, elastic.port, elastic.secret(), elastic.membership)
+        member = fleet.join(elastic.role, slot)
+        coord.attach(member)
+        try:
+            if elastic.role == "producer":
+                out = self._produce(member, coord, config, **kwargs)
+            else:
+                out = self._consume(member, coord, config, **kwargs)
+        finally:
+            self.communicator.close()
+            member.leave()
+        return {**out, "slot": slot, "member": member.id, "started": started}
+
+    def _produce(
+        self,
+        member: Member,
+        coord: SlotCoordinator,
+        config: TransferConfig,
+        *,
+        pace_s: float = 0.05,
+        max_syncs: int = 100000,
+        **kw: Any,
+    ) -> dict[str, Any]:
+        pid = coord.get_rank()
+        wait_s = member.fleet.config.timeout_s
+        producers = wait_for_producers(member, coord.num_producers, wait_s)
+        group = StoreCoordinator.from_member(member, producers, timeout=config.stall_timeout)
+        source = self.make_source(pid, coord.num_producers, **kw)
+        engine = ElasticProducer(
+            coord, self.communicator, fleet=slot_fleet(coord), source=source, config=config
+        )
+        stats: list[dict[str, Any]] = []
+        events: list[dict[str, Any]] = []
+        try:
+            engine.setup_elastic(group)
+            while True:
+                decision = None
+                if pid == 0:
+                    stop = member.fleet.peek(STOP_KEY) is not None
+                    decision = (member.view(), stop or engine._syncs + 1 >= max_syncs)
+                # an all-gather, not a broadcast: the producers move in lockstep (same sync)
+                view, last = group.all_gather_object(decision)[0]
+                t0 = time.perf_counter()
+                changes = engine.reconcile(view)
+                if last and pid == 0:
+                    member.publish(FINAL_KEY, engine._syncs + 1)
+                self.before_producer_sync(engine._syncs, source, **kw)
+                admit_s = time.perf_counter() - t0
+                stats.append({**engine.sync().as_dict(), "admit_seconds": admit_s})
+                lost = engine.lost()
+                for cid in lost:
+                    engine.retire(cid)
+                if any(changes.values()) or lost:
+                    events.append(
+                        {"sync": engine._syncs, "at": time.time(), **changes, "lost": lost}
+                    )
+                if last:
+                    break
+                time.sleep(pace_s)
+        finally:
+            engine.close()
+            group.close()
+        return {
+            "role": "producer",
+            "index": pid,
+            "syncs": stats,
+            "events": events,
+            "setup_seconds": engine.setup_seconds,
+        }
+
+    def _consume(
+        self, member: Member, coord: SlotCoordinator, config: TransferConfig, **kw: Any
+    ) -> dict[str, Any]:
+        kw.pop("pace_s", None)
+        kw.pop("max_syncs", None)
+        cid = coord.get_rank() - coord.num_producers
+        producers = wait_for_producers(member, coord.num_producers, member.fleet.config.timeout_s)
+        spec = self.make_consumer(cid, coord.capacity, **kw)
+        engine = ElasticConsumer(
+            coord,
+            self.communicator,
+            fleet=slot_fleet(coord),
+            params=spec.params,
+            route=spec.route,
+            config=config,
+        )
+        stats: list[dict[str, Any]] = []
+        outputs: list[Any] = []
+        ready: float | None = None
+        try:
+            engine.join_fleet(producers)
+            while True:
+                step = engine._syncs
+                self.before_consumer_sync(step, spec, **kw)
+                stats.append(engine.sync().as_dict())
+                outputs.append(self.after_consumer_sync(step, spec, **kw))
+                if ready is None:
+                    member.set_ready(True)
+                    ready = time.time()
+                final = member.fleet.peek(f"pub/{FINAL_KEY}")
+                if final is not None and engine._syncs >= int(member.read(FINAL_KEY, 5.0)):
+                    break
+        finally:
+            engine.close()
+        return {
+            "role": "consumer",
+            "index": cid,
+            "syncs": stats,
+            "outputs": outputs,
+            "ready": ready,
+            "first_sync": stats[0]["seconds"] if stats else None,
+            "version": engine.version,
+            "setup_seconds": engine.setup_seconds,
+        }
