@@ -271,9 +271,18 @@ class ElasticProducer(WeightProducer):
             return False
         return True
 
-    def lost(self) -> list[int]:
-        """The consumers the last sync gave up on (they left mid-sync); retire them."""
-        return sorted(self._read.lost) if self._read is not None else []
+    def drop_lost(self) -> list[str]:
+        """Retire the consumers the last sync gave up on (they left mid-sync); their member
+        ids, which are never admitted again."""
+        lost = sorted(self._read.lost) if self._read is not None else []
+        ids = []
+        for cid in lost:
+            member_id = self.coordinator.bound(self.coordinator.num_producers + cid)
+            if member_id is not None:
+                ids.append(member_id)
+                self._refused.add(member_id)
+            self.retire(cid)
+        return ids
 
 
 class ElasticConsumer(WeightConsumer):

@@ -8,7 +8,9 @@ process or the driver), so any launch may die. A consumer reports itself not rea
 first complete sync (``Member.set_ready``). The hooks are ``WeightTransferTask``'s.
 
 The producers run until ``request_stop`` is set in the store (or ``max_syncs``): producer 0 then
-publishes the number of the last sync, and every consumer stops after it.
+publishes the number of the last sync, and every consumer stops after it. ``request_leave``
+lets one consumer leave cleanly between syncs (scale in); a consumer that dies is found by its
+lease instead.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from vllm_dist.tasks.weight_transfer.task import WeightTransferTask, _token_byte
 
 STOP_KEY = "wt/stop"
 FINAL_KEY = "wt/final"
+LEAVE_KEY = "wt/leave"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +79,11 @@ class ElasticSpec:
 def request_stop(fleet: Fleet) -> None:
     """Ask the producers to end after their next sync (any holder of the secret may)."""
     fleet.store.set(fleet.k(STOP_KEY), b"1")
+
+
+def request_leave(fleet: Fleet, slot: int) -> None:
+    """Ask the consumer in ``slot`` to leave the fleet cleanly after its current sync."""
+    fleet.store.set(fleet.k(f"{LEAVE_KEY}/{slot}"), b"1")
 
 
 def elastic_config(config: TransferConfig | None) -> TransferConfig:
@@ -175,9 +183,7 @@ class ElasticTransferTask(WeightTransferTask):
                 self.before_producer_sync(engine._syncs, source, **kw)
                 admit_s = time.perf_counter() - t0
                 stats.append({**engine.sync().as_dict(), "admit_seconds": admit_s})
-                lost = engine.lost()
-                for cid in lost:
-                    engine.retire(cid)
+                lost = engine.drop_lost()
                 if any(changes.values()) or lost:
                     events.append(
                         {"sync": engine._syncs, "at": time.time(), **changes, "lost": lost}
@@ -225,6 +231,9 @@ class ElasticTransferTask(WeightTransferTask):
                 if ready is None:
                     member.set_ready(True)
                     ready = time.time()
+                if member.fleet.peek(f"{LEAVE_KEY}/{cid}") is not None:
+                    member.fleet.store.delete_key(member.fleet.k(f"{LEAVE_KEY}/{cid}"))
+                    break
                 final = member.fleet.peek(f"pub/{FINAL_KEY}")
                 if final is not None and engine._syncs >= int(member.read(FINAL_KEY, 5.0)):
                     break
