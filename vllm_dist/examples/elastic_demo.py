@@ -53,9 +53,15 @@ class ElasticLlamaTask(ElasticTransferTask, LlamaTransferTask):
                 time.sleep(60)
 
     def after_consumer_sync(
-        self, step: int, spec: ConsumerSpec, strict: bool = False, **kw: Any
+        self,
+        step: int,
+        spec: ConsumerSpec,
+        seed: int = 0,
+        verify: bool = True,
+        strict: bool = False,
+        **kw: Any,
     ) -> dict[str, Any]:
-        out = super().after_consumer_sync(step, spec, **kw)
+        out = super().after_consumer_sync(step, spec, seed=seed, verify=verify, **kw)
         if strict and out.get("verified") is False:
             raise AssertionError(f"sync {step + 1}: parameters differ: {out}")
         return out
