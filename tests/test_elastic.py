@@ -26,12 +26,14 @@ MEMBERSHIP = MembershipConfig(heartbeat_interval_s=0.25, lease_s=2.0, timeout_s=
 STALL_S = 30.0  # far above the lease: a dead consumer is found by its lease, not a stall
 
 
-def _driver(capacity: int, device: str = "cpu") -> FleetDriver:
+def _driver(
+    capacity: int, device: str = "cpu", comm: CommunicatorType = CommunicatorType.NIXL_RDT
+) -> FleetDriver:
     return FleetDriver(
         num_producers=2,
         capacity=capacity,
         membership=MEMBERSHIP,
-        communicator_type=CommunicatorType.NIXL_RDT,
+        communicator_type=comm,
         communicator_options={"timeout": STALL_S},
         device=device,
         config=TransferConfig(workers_per_replica=2, stall_timeout=STALL_S),
@@ -111,6 +113,31 @@ def test_consumer_launches_join_die_and_scale_between_syncs(tmp_path: Path) -> N
     stays gets every sync byte-exact, each new launch turns ready after a byte-exact first
     sync, and the producers record who was lost mid-sync and who left."""
     _run_elastic_drill(tmp_path, "cpu")
+
+
+@distributed_test(timeout=240)
+def test_torch_distributed_fleet_builds_a_gloo_group_per_pair() -> None:
+    """torch_distributed in an elastic fleet: a gloo group per (producer, consumer) pair, built
+    over the fleet's store when the consumer is admitted. A consumer launch killed between
+    syncs takes only its pairs down; a new launch in its slots gets new pairs."""
+    driver = _driver(capacity=4, comm=CommunicatorType.TORCH_DISTRIBUTED)
+    try:
+        driver.start("producers", "producer", 0, 2)
+        driver.start("a", "consumer", 0, 2)
+        driver.start("b", "consumer", 2, 2)
+        driver.wait_ready([0, 1, 2, 3])
+        driver.kill([2, 3])
+        driver.wait_gone([2, 3])
+        driver.start("c", "consumer", 2, 2)
+        driver.wait_ready([2, 3])
+        results = driver.stop()
+    finally:
+        driver.close()
+    assert isinstance(results["b"], Exception)
+    final = len(results["producers"][0]["syncs"])
+    _check_served_throughout(results["a"], final)
+    _check_served_throughout(results["c"], final)
+    assert all(r["syncs"][0]["path"] == "send_recv" for r in _consumers(results["a"]))
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ from vllm_dist.implementations.coordinators.membership import (
     PeerGoneError,
 )
 from vllm_dist.interfaces import CoordinatorTimeoutError, WorkerCoordinator
-from vllm_dist.tasks.weight_transfer.config import Fleet, WeightTransferSetupError
+from vllm_dist.tasks.weight_transfer.config import Fleet, SyncStats, WeightTransferSetupError
 from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
 from vllm_dist.tasks.weight_transfer.index import ProducerFacts
 from vllm_dist.tasks.weight_transfer.producer import WeightProducer
@@ -255,11 +255,10 @@ class ElasticProducer(WeightProducer):
         try:
             info = member.recv(m, coord.timeout, channel=PEER_CHANNEL)
             peers = _peers_of(self)
+            # ours first: adding a peer may be a rendezvous with it (a pair gloo group)
+            member.send(m, None if peers is None else peers.peer_info(), channel=PEER_CHANNEL)
             if peers is not None:
                 peers.add_peer(rank, info)
-                member.send(m, peers.peer_info(), channel=PEER_CHANNEL)
-            else:
-                member.send(m, None, channel=PEER_CHANNEL)
             self.admit(cid)
         except (PeerGoneError, CoordinatorTimeoutError, WeightTransferSetupError, Exception) as exc:
             logger.warning(
@@ -271,10 +270,35 @@ class ElasticProducer(WeightProducer):
             return False
         return True
 
+    def sync(self) -> SyncStats:
+        """``WeightProducer.sync``; on the push path a sync that failed only for consumers that
+        left the fleet (within a lease or two) counts them lost and returns."""
+        self._push_lost: set[int] = set()
+        try:
+            return super().sync()
+        except Exception:
+            failed = [cid for cid, pair in self._pairs.items() if pair.error is not None]
+            if self._read is not None or not failed or not self._all_gone(failed):
+                raise
+            self._push_lost = set(failed)
+            return SyncStats(seconds=0.0, bytes=0, chunks=0, path=self.path)
+
+    def _all_gone(self, cids: list[int]) -> bool:
+        """Whether every consumer of ``cids`` left the fleet, waiting up to two leases."""
+        coord, member = self.coordinator, self.coordinator._require()
+        deadline = time.monotonic() + 2 * member.fleet.config.lease_s
+        ranks = [coord.num_producers + cid for cid in cids]
+        while not all(coord.gone(r) for r in ranks):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(VIEW_CACHE_S)
+        return True
+
     def drop_lost(self) -> list[str]:
         """Retire the consumers the last sync gave up on (they left mid-sync); their member
         ids, which are never admitted again."""
         lost = sorted(self._read.lost) if self._read is not None else []
+        lost = sorted({*lost, *getattr(self, "_push_lost", ())})
         ids = []
         for cid in lost:
             member_id = self.coordinator.bound(self.coordinator.num_producers + cid)

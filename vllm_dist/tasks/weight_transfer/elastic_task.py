@@ -20,15 +20,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm_dist import registry
+from vllm_dist.implementations.communicators.pair_gloo import PairGlooCommunicator
 from vllm_dist.implementations.coordinators.membership import (
     Fleet,
     Member,
     MembershipConfig,
 )
 from vllm_dist.implementations.coordinators.store_coordinator import StoreCoordinator
+from vllm_dist.interfaces import DeviceCommunicator
 from vllm_dist.tasks.weight_transfer.config import TransferConfig
 from vllm_dist.tasks.weight_transfer.elastic import (
     ElasticConsumer,
+    ElasticPeers,
     ElasticProducer,
     SlotCoordinator,
     slot_fleet,
@@ -92,6 +95,20 @@ def elastic_config(config: TransferConfig | None) -> TransferConfig:
     return replace(config or TransferConfig(), replay=False)
 
 
+def elastic_communicator(key: registry.CommunicatorKey) -> type[DeviceCommunicator]:
+    """The communicator class an elastic fleet uses for ``key``: ``torch_distributed`` is
+    ``PairGlooCommunicator`` (a gloo group per pair; a fleet-wide group takes no new member)."""
+    cls = registry.get_communicator_class(key)
+    if cls is registry.get_communicator_class("torch_distributed"):
+        return PairGlooCommunicator
+    if not issubclass(cls, ElasticPeers):
+        raise ValueError(
+            f"{cls.__name__} cannot take peers in at run time (no add_peer/remove_peer): use "
+            "nixl_rdt or torch_distributed for an elastic fleet"
+        )
+    return cls
+
+
 class ElasticTransferTask(WeightTransferTask):
     """``launch(..., elastic=ElasticSpec(...), communicator_type=..., device=None,
     communicator_options=None, config=None, pace_s=0.05, max_syncs=100000, **task_kwargs)``.
@@ -106,7 +123,7 @@ class ElasticTransferTask(WeightTransferTask):
         spec = kwargs.get("elastic")
         if not isinstance(spec, ElasticSpec):
             raise TypeError(f"elastic must be an ElasticSpec, got {type(spec).__name__}")
-        registry.get_communicator_class(kwargs["communicator_type"])
+        elastic_communicator(kwargs["communicator_type"])
 
     def run(  # type: ignore[override]
         self,
@@ -131,7 +148,7 @@ class ElasticTransferTask(WeightTransferTask):
             local_rank=info.local_rank,
             local_world_size=info.local_world_size,
         )
-        comm_cls = registry.get_communicator_class(communicator_type)
+        comm_cls = elastic_communicator(communicator_type)
         self.communicator = comm_cls(coord, device=device, **(communicator_options or {}))  # type: ignore[call-arg]
         self.device = self.communicator.device
         fleet = Fleet(elastic.host, elastic.port, elastic.secret(), elastic.membership)
@@ -226,7 +243,7 @@ class ElasticTransferTask(WeightTransferTask):
             while True:
                 step = engine._syncs
                 self.before_consumer_sync(step, spec, **kw)
-                stats.append(engine.sync().as_dict())
+                stats.append({**engine.sync().as_dict(), "at": time.time()})
                 outputs.append(self.after_consumer_sync(step, spec, **kw))
                 if ready is None:
                     member.set_ready(True)
