@@ -27,16 +27,19 @@ STALL_S = 30.0  # far above the lease: a dead consumer is found by its lease, no
 
 
 def _driver(
-    capacity: int, device: str = "cpu", comm: CommunicatorType = CommunicatorType.NIXL_RDT
+    capacity: int,
+    device: str = "cpu",
+    comm: CommunicatorType = CommunicatorType.NIXL_RDT,
+    stall: float = STALL_S,
 ) -> FleetDriver:
     return FleetDriver(
         num_producers=2,
         capacity=capacity,
         membership=MEMBERSHIP,
         communicator_type=comm,
-        communicator_options={"timeout": STALL_S},
+        communicator_options={"timeout": stall},
         device=device,
-        config=TransferConfig(workers_per_replica=2, stall_timeout=STALL_S),
+        config=TransferConfig(workers_per_replica=2, stall_timeout=stall),
         shapes=tiny_llama_shapes(),
         tp_size=2,
         strict=True,
@@ -115,12 +118,14 @@ def test_consumer_launches_join_die_and_scale_between_syncs(tmp_path: Path) -> N
     _run_elastic_drill(tmp_path, "cpu")
 
 
-@distributed_test(timeout=240)
-def test_torch_distributed_fleet_builds_a_gloo_group_per_pair() -> None:
-    """torch_distributed in an elastic fleet: a gloo group per (producer, consumer) pair, built
-    over the fleet's store when the consumer is admitted. A consumer launch killed between
-    syncs takes only its pairs down; a new launch in its slots gets new pairs."""
-    driver = _driver(capacity=4, comm=CommunicatorType.TORCH_DISTRIBUTED)
+@distributed_test(timeout=300)
+def test_torch_distributed_fleet_and_a_restarted_producer_launch() -> None:
+    """torch_distributed in an elastic fleet (a gloo group per producer/consumer pair, built
+    over the fleet store at admission): a consumer launch killed between syncs takes only its
+    pairs down and a new launch in its slots gets new ones. Then the producer launch is
+    killed and started again (same weights, as from a checkpoint): every consumer joins the
+    new producers, its plan checked again, and syncs on byte-exact."""
+    driver = _driver(capacity=4, comm=CommunicatorType.TORCH_DISTRIBUTED, stall=8.0)
     try:
         driver.start("producers", "producer", 0, 2)
         driver.start("a", "consumer", 0, 2)
@@ -130,13 +135,18 @@ def test_torch_distributed_fleet_builds_a_gloo_group_per_pair() -> None:
         driver.wait_gone([2, 3])
         driver.start("c", "consumer", 2, 2)
         driver.wait_ready([2, 3])
+        driver.kill([0, 1], role="producer")
+        driver.wait_gone([0, 1], role="producer")
+        driver.start("producers2", "producer", 0, 2)
+        driver.wait_joins([0, 1, 2, 3], joins=2)
         results = driver.stop()
     finally:
         driver.close()
-    assert isinstance(results["b"], Exception)
-    final = len(results["producers"][0]["syncs"])
-    _check_served_throughout(results["a"], final)
-    _check_served_throughout(results["c"], final)
+    assert isinstance(results["b"], Exception) and isinstance(results["producers"], Exception)
+    final = len(results["producers2"][0]["syncs"])
+    for name in "ac":
+        _check_served_throughout(results[name], final)
+        assert all(r["joins"] == 2 for r in _consumers(results[name]))
     assert all(r["syncs"][0]["path"] == "send_recv" for r in _consumers(results["a"]))
 
 

@@ -21,6 +21,7 @@ from vllm_dist.examples.weight_sync_demo import LlamaTransferTask
 from vllm_dist.implementations.coordinators.auth_store import AuthStoreServer
 from vllm_dist.implementations.coordinators.membership import Fleet, FleetView, MembershipConfig
 from vllm_dist.tasks.weight_transfer.elastic_task import (
+    JOINS_KEY,
     ElasticSpec,
     ElasticTransferTask,
     request_leave,
@@ -138,19 +139,38 @@ class FleetDriver:
 
         return self.fleet.wait_for(ready, timeout)
 
-    def wait_gone(self, slots: list[int], timeout: float = 60.0) -> FleetView:
-        """The roster once no member holds any consumer slot of ``slots``."""
+    def wait_gone(
+        self, slots: list[int], timeout: float = 60.0, role: str = "consumer"
+    ) -> FleetView:
+        """The roster once no member holds any ``role`` slot of ``slots``."""
         want = set(slots)
-        return self.fleet.wait_for(
-            lambda v: not want & {m.slot for m in v.role("consumer")}, timeout
-        )
 
-    def kill(self, slots: list[int]) -> list[int]:
-        """SIGKILL the processes that hold consumer ``slots`` now (pids from the roster)."""
-        pids = [m.pid for m in self.view().role("consumer") if m.slot in slots]
+        def gone(view: FleetView) -> bool:
+            self.fleet.reap()  # the driver watches too: the dead may have been the watchers
+            return not want & {m.slot for m in view.role(role)}
+
+        return self.fleet.wait_for(gone, timeout)
+
+    def kill(self, slots: list[int], role: str = "consumer") -> list[int]:
+        """SIGKILL the processes that hold ``role`` ``slots`` now (pids from the roster)."""
+        pids = [m.pid for m in self.view().role(role) if m.slot in slots]
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         return pids
+
+    def wait_joins(self, slots: list[int], joins: int, timeout: float = 120.0) -> FleetView:
+        """The roster once each consumer slot of ``slots`` joined ``joins`` times and is ready
+        (a producer restart makes every consumer join again)."""
+
+        def done(view: FleetView) -> bool:
+            ready = {m.slot for m in view.role("consumer") if m.ready}
+            return set(slots) <= ready and all(
+                self.fleet.peek(f"pub/{JOINS_KEY}/{s}") is not None
+                and self.fleet.read(f"{JOINS_KEY}/{s}", 5.0) >= joins
+                for s in slots
+            )
+
+        return self.fleet.wait_for(done, timeout)
 
     def leave(self, slots: list[int]) -> None:
         for slot in slots:

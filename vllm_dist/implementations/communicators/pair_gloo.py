@@ -75,7 +75,9 @@ class PairGlooCommunicator(DeviceCommunicator):
         mine, theirs = str(member.id), str(info)
         me = 0 if self._rank < rank else 1
         names = (mine, theirs) if me == 0 else (theirs, mine)
-        store = dist.PrefixStore(f"pairpg/{names[0]}/{names[1]}/", member.fleet.store.clone())
+        # the member's own connection: gloo uses the store only while this call rendezvouses,
+        # on this thread (a clone of the Python store does not work under gloo)
+        store = dist.PrefixStore(f"pairpg/{names[0]}/{names[1]}/", member.fleet.store)
         group = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=self._timeout))
         self._groups[rank] = (group, 1 - me)
 

@@ -260,12 +260,13 @@ class ElasticProducer(WeightProducer):
             if peers is not None:
                 peers.add_peer(rank, info)
             self.admit(cid)
-        except (PeerGoneError, CoordinatorTimeoutError, WeightTransferSetupError, Exception) as exc:
+        except Exception as exc:  # logged; the others are served on
             logger.warning(
                 "vllm_dist: producer %d: %s was not admitted: %s: %s",
                 self.producer_id, m.id, type(exc).__name__, exc,
             )  # fmt: skip
-            self._refused.add(m.id)
+            if not isinstance(exc, CoordinatorTimeoutError):  # a slow one is tried again
+                self._refused.add(m.id)
             self.retire(cid)
             return False
         return True

@@ -23,8 +23,11 @@ from vllm_dist import registry
 from vllm_dist.implementations.communicators.pair_gloo import PairGlooCommunicator
 from vllm_dist.implementations.coordinators.membership import (
     Fleet,
+    FleetView,
     Member,
+    MemberInfo,
     MembershipConfig,
+    MembershipTimeoutError,
 )
 from vllm_dist.implementations.coordinators.store_coordinator import StoreCoordinator
 from vllm_dist.interfaces import DeviceCommunicator
@@ -37,11 +40,12 @@ from vllm_dist.tasks.weight_transfer.elastic import (
     slot_fleet,
     wait_for_producers,
 )
-from vllm_dist.tasks.weight_transfer.task import WeightTransferTask, _token_bytes
+from vllm_dist.tasks.weight_transfer.task import ConsumerSpec, WeightTransferTask, _token_bytes
 
 STOP_KEY = "wt/stop"
 FINAL_KEY = "wt/final"
 LEAVE_KEY = "wt/leave"
+JOINS_KEY = "wt/joins"  # a consumer publishes how often it joined (a producer restart: again)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -225,44 +229,82 @@ class ElasticTransferTask(WeightTransferTask):
         kw.pop("pace_s", None)
         kw.pop("max_syncs", None)
         cid = coord.get_rank() - coord.num_producers
-        producers = wait_for_producers(member, coord.num_producers, member.fleet.config.timeout_s)
+        wait_s = member.fleet.config.timeout_s
+        producers = wait_for_producers(member, coord.num_producers, wait_s)
         spec = self.make_consumer(cid, coord.capacity, **kw)
-        engine = ElasticConsumer(
-            coord,
-            self.communicator,
-            fleet=slot_fleet(coord),
-            params=spec.params,
-            route=spec.route,
-            config=config,
-        )
-        stats: list[dict[str, Any]] = []
-        outputs: list[Any] = []
-        ready: float | None = None
-        try:
-            engine.join_fleet(producers)
-            while True:
-                step = engine._syncs
-                self.before_consumer_sync(step, spec, **kw)
-                stats.append({**engine.sync().as_dict(), "at": time.time()})
-                outputs.append(self.after_consumer_sync(step, spec, **kw))
-                if ready is None:
-                    member.set_ready(True)
-                    ready = time.time()
-                if member.fleet.peek(f"{LEAVE_KEY}/{cid}") is not None:
-                    member.fleet.store.delete_key(member.fleet.k(f"{LEAVE_KEY}/{cid}"))
-                    break
-                final = member.fleet.peek(f"pub/{FINAL_KEY}")
-                if final is not None and engine._syncs >= int(member.read(FINAL_KEY, 5.0)):
-                    break
-        finally:
-            engine.close()
-        return {
-            "role": "consumer",
-            "index": cid,
-            "syncs": stats,
-            "outputs": outputs,
-            "ready": ready,
-            "first_sync": stats[0]["seconds"] if stats else None,
-            "version": engine.version,
-            "setup_seconds": engine.setup_seconds,
-        }
+        out: dict[str, Any] = {"role": "consumer", "index": cid, "syncs": [], "outputs": []}
+        out.update(ready=None, joins=0)
+        while True:
+            engine = ElasticConsumer(
+                coord,
+                self.communicator,
+                fleet=slot_fleet(coord),
+                params=spec.params,
+                route=spec.route,
+                config=config,
+            )
+            try:
+                engine.join_fleet(producers)
+                out["joins"] += 1
+                member.publish(f"{JOINS_KEY}/{cid}", out["joins"])
+                self._sync_until_done(member, engine, spec, out, kw)
+                break
+            except Exception:
+                restarted = producers_restarted(member, producers, wait_s)
+                if restarted is None:
+                    raise
+                member.set_ready(False)  # until a whole version from the new producers
+                producers = restarted
+            finally:
+                engine.close()
+                out.update(version=engine.version, setup_seconds=engine.setup_seconds)
+        out["first_sync"] = out["syncs"][0]["seconds"] if out["syncs"] else None
+        return out
+
+    def _sync_until_done(
+        self,
+        member: Member,
+        engine: ElasticConsumer,
+        spec: ConsumerSpec,
+        out: dict[str, Any],
+        kw: dict[str, Any],
+    ) -> None:
+        """Sync until asked to leave or past the producers' last sync; ready after the first."""
+        cid = engine.consumer_id
+        first = True
+        while True:
+            step = engine._syncs
+            self.before_consumer_sync(step, spec, **kw)
+            out["syncs"].append({**engine.sync().as_dict(), "at": time.time()})
+            out["outputs"].append(self.after_consumer_sync(step, spec, **kw))
+            if first:
+                member.set_ready(True)
+                out["ready"] = out["ready"] or time.time()
+                first = False
+            if member.fleet.peek(f"{LEAVE_KEY}/{cid}") is not None:
+                member.fleet.store.delete_key(member.fleet.k(f"{LEAVE_KEY}/{cid}"))
+                return
+            final = member.fleet.peek(f"pub/{FINAL_KEY}")
+            if final is not None and engine._syncs >= int(member.read(FINAL_KEY, 5.0)):
+                return
+
+
+def producers_restarted(
+    member: Member, producers: list[MemberInfo], timeout: float
+) -> list[MemberInfo] | None:
+    """After a failed sync or join: None when every producer of ``producers`` is still live (the
+    failure was not theirs); else the new producers, once a whole new set is live (a producer
+    launch restarted from its checkpoint)."""
+    old = {m.id for m in producers}
+    lease = member.fleet.config.lease_s
+    try:  # a transport sees a dead peer before its lease runs out
+        member.fleet.wait_for(lambda v: not old <= set(v.ids()), 2 * lease + 1.0)
+    except MembershipTimeoutError:
+        return None
+    count = len(producers)
+
+    def renewed(view: FleetView) -> bool:
+        live = view.role("producer")
+        return len(live) == count and not old & {m.id for m in live}
+
+    return member.fleet.wait_for(renewed, timeout).role("producer")
