@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import human, print_table, write_outputs  # noqa: E402
 from vllm_dist import CommunicatorType  # noqa: E402
 from vllm_dist.examples.elastic_demo import FleetDriver  # noqa: E402
+from vllm_dist.examples.elastic_task import ElasticTransferTask  # noqa: E402
 from vllm_dist.examples.llama_tp import fill_weights, replicated, tensor_digest  # noqa: E402
 from vllm_dist.implementations.coordinators.membership import MembershipConfig  # noqa: E402
 from vllm_dist.serialization import register_by_value  # noqa: E402
@@ -45,7 +46,6 @@ from vllm_dist.tasks.weight_transfer import (  # noqa: E402
     TransferConfig,
     WeightSource,
 )
-from vllm_dist.tasks.weight_transfer.elastic_task import ElasticTransferTask  # noqa: E402
 
 MEMBERSHIP = MembershipConfig(heartbeat_interval_s=0.25, lease_s=2.0, timeout_s=600.0)
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]

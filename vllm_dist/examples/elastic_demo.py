@@ -17,16 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_dist.examples.weight_sync_demo import LlamaTransferTask
-from vllm_dist.implementations.coordinators.auth_store import AuthStoreServer
-from vllm_dist.implementations.coordinators.membership import Fleet, FleetView, MembershipConfig
-from vllm_dist.tasks.weight_transfer.elastic_task import (
+from vllm_dist.examples.elastic_task import (
     JOINS_KEY,
     ElasticSpec,
     ElasticTransferTask,
     request_leave,
     request_stop,
 )
+from vllm_dist.examples.weight_sync_demo import LlamaTransferTask
+from vllm_dist.implementations.coordinators.auth_store import AuthStoreServer
+from vllm_dist.implementations.coordinators.membership import Fleet, FleetView, MembershipConfig
 from vllm_dist.tasks.weight_transfer.task import ConsumerSpec
 
 

@@ -22,13 +22,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from vllm_dist.implementations.coordinators.membership import (
-    FleetView,
-    Member,
-    MemberInfo,
-    MembershipTimeoutError,
-    PeerGoneError,
-)
 from vllm_dist.interfaces import CoordinatorTimeoutError, WorkerCoordinator
 from vllm_dist.tasks.weight_transfer.config import Fleet, SyncStats, WeightTransferSetupError
 from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
@@ -37,9 +30,19 @@ from vllm_dist.tasks.weight_transfer.producer import WeightProducer
 
 logger = logging.getLogger("vllm_dist")
 
+# A fleet member (``membership.Member``), its roster entries (``MemberInfo``) and views
+# (``FleetView``), used by their attributes only: tasks import no implementation.
+Member = Any
+MemberInfo = Any
+FleetView = Any
+
 PEER_CHANNEL = "peer"  # data-plane peer introductions (agent metadata)
 ENGINE_CHANNEL = "wt"  # the engines' control messages (admit, plans, verdicts, descriptors)
 VIEW_CACHE_S = 0.2  # how stale a roster read may be when asking whether a peer is gone
+
+
+class SlotVacantError(RuntimeError):
+    """A message was for (or from) a slot that no live member holds."""
 
 
 @runtime_checkable
@@ -129,7 +132,7 @@ class SlotCoordinator(WorkerCoordinator):
         key = self.slot_key(rank)
         live = [m for m in self.view().members if m.slot_key == key]
         if not live:
-            raise PeerGoneError(f"no live member holds {key} (rank {rank})")
+            raise SlotVacantError(f"no live member holds {key} (rank {rank})")
         return live[0].id
 
     def gone(self, rank: int) -> bool:
@@ -337,9 +340,10 @@ class ElasticConsumer(WeightConsumer):
 
 
 def wait_for_producers(member: Member, num_producers: int, timeout: float) -> list[MemberInfo]:
-    """The fleet's producers once all ``num_producers`` are live (``MembershipTimeoutError``)."""
+    """The fleet's producers once all ``num_producers`` are live (a ``CoordinatorTimeoutError``
+    when they are not within ``timeout``)."""
     view = member.fleet.wait_for(lambda v: len(v.role("producer")) >= num_producers, timeout)
     producers = view.role("producer")
     if len(producers) < num_producers:
-        raise MembershipTimeoutError(f"only {len(producers)} of {num_producers} producers live")
+        raise CoordinatorTimeoutError(f"only {len(producers)} of {num_producers} producers live")
     return producers

@@ -1,5 +1,9 @@
 """ElasticTransferTask: a launch of producers or consumers that joins a running elastic fleet.
 
+It composes the fleet's membership (``implementations.coordinators``), the communicator and the
+elastic engines (``tasks.weight_transfer.elastic``); tasks import no implementation, so the
+composition lives here, beside the demo that drives it.
+
 Each launch is its own ``MPLauncher`` (or any launcher) launch: a trainer launch of the ``P``
 producers, and any number of consumer launches (an inference replica each, ``workers_per_replica``
 workers in slots ``slot .. slot + n - 1``) that come, die and come back while the producers keep
