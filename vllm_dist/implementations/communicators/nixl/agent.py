@@ -313,13 +313,32 @@ class Peers:
         """Collective: every member loads every other member's agent metadata."""
         agent = self._agent.get()
         everyone = coordinator.all_gather_object((name, agent.get_agent_metadata()))
-        for rank, (peer_name, md) in enumerate(everyone):
-            self.rank_of[peer_name] = rank
-            if rank == self.rank:
+        for rank, entry in enumerate(everyone):
+            if entry is None:  # an elastic fleet's empty slot: ``add`` when a member takes it
                 continue
-            agent.add_remote_agent(md)
-            self.agent_of[rank] = peer_name
-            self.known_epoch[rank] = 0
+            self.rank_of[entry[0]] = rank
+            if rank != self.rank:
+                self.add(rank, *entry)
+
+    def add(self, rank: int, name: str, md: bytes) -> None:
+        """Load peer ``rank``'s agent ``name`` (its full metadata ``md``) at run time."""
+        if rank in self.agent_of:
+            self.remove(rank)
+        self._agent.get().add_remote_agent(md)
+        self.agent_of[rank] = name
+        self.rank_of[name] = rank
+        self.known_epoch[rank] = 0
+
+    def remove(self, rank: int) -> None:
+        """Forget peer ``rank``: its agent, its exposed buffers (errors of a dead peer ignored)."""
+        name = self.agent_of.pop(rank, None)
+        self.exposed.pop(rank, None)
+        self.known_epoch.pop(rank, None)
+        if name is None:
+            return
+        self.rank_of.pop(name, None)
+        with contextlib.suppress(Exception):
+            self._agent.get().remove_remote_agent(name)
 
     def load(self, rank: int, md: bytes, epoch: int, *, full: bool) -> None:
         """Load ``rank``'s metadata at ``epoch``; full metadata replaces an older epoch's."""

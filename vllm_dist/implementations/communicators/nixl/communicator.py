@@ -71,7 +71,41 @@ from vllm_dist.memory import StreamPool
 LocalPieces = Sequence[tuple[torch.Tensor, int, int]]  # (local view, remote offset, nbytes)
 
 
-class NixlRdtCommunicator(DeviceCommunicator):
+class RunTimePeers:
+    """Peers taken in and let go at run time (an elastic fleet's ``ElasticPeers``), for
+    ``NixlRdtCommunicator``: a member that joins after set-up, or a new process in a dead
+    one's rank, without a collective."""
+
+    _name: str
+    _slot: AgentSlot
+    _peers: Peers
+    _cache: RegistrationCache
+    _maps: PeerMaps
+    _planner: Planner
+    _tp: Transport
+
+    def _check_peer(self, peer: int) -> None:
+        raise NotImplementedError
+
+    def peer_info(self) -> tuple[str, bytes]:
+        """(agent name, full metadata) of this worker, for a peer's ``add_peer``."""
+        return self._name, bytes(self._slot.get().get_agent_metadata())
+
+    def add_peer(self, rank: int, info: tuple[str, bytes]) -> None:
+        """Take peer ``rank`` (its ``peer_info()``) in at run time (an elastic fleet's member
+        that joined after set-up, or a new process in a dead one's rank)."""
+        self._check_peer(rank)
+        self.remove_peer(rank)
+        self._peers.add(rank, info[0], info[1])
+        self._cache.shared_epoch[rank] = -1  # its first descriptor carries full metadata
+
+    def remove_peer(self, rank: int) -> None:
+        """Forget peer ``rank`` (it died or left): see ``forget_peer``."""
+        forget_peer(rank, self._peers, self._cache, self._maps, self._tp)
+        self._planner.clear()  # cached copy views may hold the peer's mapped memory
+
+
+class NixlRdtCommunicator(DeviceCommunicator, RunTimePeers):
     """Point-to-point and one-sided transfers over one NIXL agent per worker.
 
     Args:
@@ -566,6 +600,19 @@ class NixlRdtCommunicator(DeviceCommunicator):
             raise ValueError(f"rank {peer} is outside this group of {self._world}")
         if peer == self._rank:
             raise ValueError(f"rank {peer} is this worker itself; use tensor.copy_ locally")
+
+
+def forget_peer(
+    rank: int, peers: Peers, cache: RegistrationCache, maps: PeerMaps, tp: Transport
+) -> None:
+    """Drop what this worker holds of peer ``rank``: its agent, descriptors, mappings and
+    queued notifications, so that a new process in that rank starts clean."""
+    peers.remove(rank)
+    cache.shared_epoch.pop(rank, None)
+    for reg in cache.regs.values():
+        reg.shared_with.discard(rank)
+    maps.forget(rank)
+    tp.mailbox.forget(rank)
 
 
 def _byte_requests(requests: Sequence[tuple[str, int, torch.Tensor]]) -> list[ByteRequest]:

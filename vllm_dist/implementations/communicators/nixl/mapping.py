@@ -247,6 +247,11 @@ class PeerMaps:
                 self._maps[key] = None
         return self._maps[key]
 
+    def forget(self, peer: int) -> None:
+        """Drop the mappings of ``peer``'s buffers (it is gone)."""
+        for key in [k for k in self._maps if k[0] == peer]:
+            del self._maps[key]
+
     def close(self, exposed: Iterable[Registration] = ()) -> None:
         """Drop every mapping once no copy may still use one; hand the storages of ``exposed``
         (registrations still exposed) back writable, as they were."""

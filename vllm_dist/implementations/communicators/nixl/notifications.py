@@ -196,6 +196,13 @@ class Mailbox:
         if refused is not None:
             raise refused
 
+    def forget(self, peer: int) -> None:
+        """Drop what ``peer`` sent that nobody took (it is gone; a new process may take its rank)."""
+        self.poll()
+        self._user.pop(peer, None)
+        for key in [k for k in self._inbox if k[0] == peer]:
+            del self._inbox[key]
+
     def wait(
         self,
         peer: int,

@@ -8,10 +8,15 @@ or a byte budget, and one device synchronization covers every pack behind them. 
 answer 'done up to seq'; a group is released once every chunk of it is read. Everything runs on
 the calling thread (a one-sided communicator need not be thread-safe). Rejected: producers
 WRITE into consumer buffers, which would move every byte for every consumer on this thread.
+
+In an elastic fleet (``gone`` set) a consumer that left the fleet mid-sync is *lost*: its chunks
+are skipped and its groups released, the others are served on, and ``lost`` names it so that
+the engine drops the pair after the sync.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -37,7 +42,17 @@ from vllm_dist.tasks.weight_transfer.pairs import ProducerPair, Record
 from vllm_dist.tasks.weight_transfer.paths.base import ProducerPath
 from vllm_dist.tasks.weight_transfer.paths.replay import ProducerReplay
 from vllm_dist.tasks.weight_transfer.plan import Chunk
-from vllm_dist.tasks.weight_transfer.ring import FreeBarrier
+from vllm_dist.tasks.weight_transfer.ring import FreeBarrier, TransferStallError
+
+logger = logging.getLogger("vllm_dist")
+
+GONE_POLL_S = 0.25
+"""Elastic fleets: how often a wait on one consumer asks whether it left the fleet."""
+
+
+class _ConsumerGone(Exception):
+    """The consumer being waited on left the fleet (elastic fleets only)."""
+
 
 if TYPE_CHECKING:
     from vllm_dist.tasks.weight_transfer.config import SyncStats
@@ -69,6 +84,11 @@ class ProducerRead(ProducerPath):
         self._packs: list[Callable[[], None]] = []  # packs queued since the last announcement
         self._record = False  # this sync is recorded for a replay
         self.replay = ProducerReplay(engine, self) if self.config.replay else None
+        # elastic fleets: ``gone(peer rank)`` says a consumer left the fleet; ``lost`` are the
+        # consumers of this sync given up on (skipped, their groups released)
+        self.gone: Callable[[int], bool] | None = None
+        self.lost: set[int] = set()
+        self._barrier: FreeBarrier | None = None
 
     def expose_rings(self) -> None:
         """Expose every serve ring once; collective with the consumers' ``connect``."""
@@ -88,6 +108,7 @@ class ProducerRead(ProducerPath):
         return replay.begin(start, self._record)
 
     def reset(self) -> None:
+        self.lost.clear()
         for pair in self._pairs.values():
             pair.slot_seq.clear()  # the last sync drained every slot
             pair.packs = 0
@@ -97,6 +118,7 @@ class ProducerRead(ProducerPath):
             pair.replay = Record() if self._record and pair.chunks else None
 
     def new_group(self, barrier: FreeBarrier) -> None:
+        self._barrier = barrier
         if self.config.announce_bytes == 0:  # what the last group queued goes out
             self._announce_all()
         self._poll_done(barrier)
@@ -108,6 +130,7 @@ class ProducerRead(ProducerPath):
 
     def finish(self, barrier: FreeBarrier) -> None:
         """Announce what is left and take every 'done'."""
+        self._barrier = barrier
         self._announce_all()
         for cid, pair in self._pairs.items():
             while pair.pending:
@@ -135,6 +158,9 @@ class ProducerRead(ProducerPath):
         packed into the next ring slot (round robin over the packed chunks only) once that
         slot's last reader is done."""
         assert pair.ring is not None
+        if cid in self.lost:
+            barrier.arrive(chunk.group)
+            return
         exposed = self.exposure.exposed_source(pair, chunk, tensors)
         if exposed is not None:
             name, offset, desc, strides = exposed
@@ -155,6 +181,9 @@ class ProducerRead(ProducerPath):
             last = pair.slot_seq.get(index)  # the last chunk packed into this slot
             while last is not None and pair.pending and pair.pending[0][0] <= last:
                 self._take_done(cid, pair, barrier, block=True)
+            if cid in self.lost:  # it left while we waited for the slot
+                barrier.arrive(chunk.group)
+                return
             pair.slot_seq[index] = chunk.seq
             start = index * pair.slot_bytes
             slot = pair.ring.buffer[start : start + chunk.nbytes]
@@ -201,6 +230,9 @@ class ProducerRead(ProducerPath):
             self._one.notify(pair.peer_rank, message)
         except Exception as exc:
             cid = next(c for c, p in self._pairs.items() if p is pair)
+            if self.gone is not None:  # elastic: an unreachable consumer is given up on
+                self._lose(cid, pair, f"{type(exc).__name__}: {exc}")
+                return
             raise RuntimeError(
                 f"producer {self.producer_id}: telling consumer {cid} (rank {pair.peer_rank}) "
                 f"{what} in sync {self.engine._syncs} failed: {type(exc).__name__}: {exc}"
@@ -217,13 +249,19 @@ class ProducerRead(ProducerPath):
     ) -> bool:
         """Consume one 'done up to seq' from consumer ``cid`` (waiting for it when ``block``)."""
         what = f"producer {self.producer_id} waiting for consumer {cid} to read"
-        if block:
-            self._announce_all()  # never wait on a consumer that has not been told everything
-            self.engine._mark(f"wait done {pair.peer_rank}")
-            done = self._consumer_word(pair.peer_rank, what, block=True)
-            self.engine._mark(f"got done {pair.peer_rank}")
-        else:
-            done = self._consumer_word(pair.peer_rank, what, block=False)
+        try:
+            if block:
+                self._announce_all()  # never wait on a consumer that was not told everything
+                if cid in self.lost:
+                    return False
+                self.engine._mark(f"wait done {pair.peer_rank}")
+                done = self._consumer_word(pair.peer_rank, what, block=True)
+                self.engine._mark(f"got done {pair.peer_rank}")
+            else:
+                done = self._consumer_word(pair.peer_rank, what, block=False)
+        except _ConsumerGone:
+            self._lose(cid, pair, "it left the fleet")
+            return False
         if done is None:
             return False
         sync, seq = done.sync, done.seq
@@ -241,8 +279,7 @@ class ProducerRead(ProducerPath):
         deadline = time.monotonic() + stall
         while True:
             if block:
-                left = deadline - time.monotonic()
-                msg: bytes | None = wait_message(self._one, peer, left, what, stall)
+                msg: bytes | None = self._wait_word(peer, deadline, what)
             else:
                 msg = poll_message(self._one, peer)
             if msg is None:
@@ -258,6 +295,38 @@ class ProducerRead(ProducerPath):
             if sync == self.engine._syncs:
                 self.engine._mark(f"alive {peer}")
                 deadline = time.monotonic() + stall
+
+    def _wait_word(self, peer: int, deadline: float, what: str) -> bytes:
+        """The consumer's next message by ``deadline``; in an elastic fleet the wait is cut
+        into short slices between which ``gone`` is asked (``_ConsumerGone``)."""
+        stall = self.config.stall_timeout
+        if self.gone is None:
+            return wait_message(self._one, peer, deadline - time.monotonic(), what, stall)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return wait_message(self._one, peer, min(left, GONE_POLL_S), what, stall)
+            except TransferStallError:
+                if self.gone(peer):
+                    raise _ConsumerGone(peer) from None
+                if left <= GONE_POLL_S:
+                    raise
+
+    def _lose(self, cid: int, pair: ProducerPair, why: str) -> None:
+        """Give up on consumer ``cid`` for the rest of this sync: nothing more is told or
+        awaited, and the groups it had not finished are released for the others."""
+        if cid in self.lost:
+            return
+        logger.warning(
+            "vllm_dist: producer %d: consumer %d (rank %d) lost in sync %d, serving the others: %s",
+            self.producer_id, cid, pair.peer_rank, self.engine._syncs, why,
+        )  # fmt: skip
+        self.lost.add(cid)
+        pair.outbox = []
+        while pair.pending:
+            group = pair.pending.popleft()[1]
+            if self._barrier is not None:
+                self._barrier.arrive(group)
 
     def _announce_all(self) -> None:
         for pair in self._pairs.values():
