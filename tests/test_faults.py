@@ -212,6 +212,12 @@ def test_bad_task_counts_are_refused(n: Any) -> None:
         MPLauncher(n)
 
 
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 class Groups(GroupCoordinatorDistributedTask):
     def post_init_distributed(self, **_: Any) -> int:
         return 0
@@ -227,6 +233,10 @@ class Groups(GroupCoordinatorDistributedTask):
         (Groups, {**BACKENDS, "groups": [[0, 1], []]}, "empty"),
         (Groups, {**BACKENDS, "groups": [[0, 2]]}, "rank 2"),
         (Groups, {**BACKENDS, "groups": [[False, True]]}, "rank False"),
+        (CleanExit, {**BACKENDS, "device": "gpu"}, "names no torch device"),
+        (CleanExit, {**BACKENDS, "device": 3}, "device must be a string"),
+        (Groups, {**BACKENDS, "groups": [[0, 1]], "device": "cuda:x"}, "names no torch device"),
+        (CleanExit, {**BACKENDS, "device": f"cuda:{_cuda_count()}"}, "CUDA device"),
     ],
 )
 def test_bad_task_keywords_are_refused_before_workers_start(

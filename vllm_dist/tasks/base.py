@@ -38,8 +38,10 @@ class GlobalCoordinatorDistributedTask(DistributedTask):
 
     @classmethod
     def check_launch_kwargs(cls, world_size: int, **kwargs: Any) -> None:
-        """Refuse unknown backend names in the parent, before any worker starts."""
+        """Refuse unknown backend names and a malformed ``device`` in the parent, before any
+        worker starts."""
         check_backend_names(kwargs)
+        check_device_name(kwargs.get("device"))
 
     def run(  # type: ignore[override]
         self,
@@ -84,8 +86,10 @@ class GroupCoordinatorDistributedTask(DistributedTask):
 
     @classmethod
     def check_launch_kwargs(cls, world_size: int, **kwargs: Any) -> None:
-        """Refuse unknown backend names and ``groups`` that do not partition the world."""
+        """Refuse unknown backend names, a malformed ``device`` and ``groups`` that do not
+        partition the world."""
         check_backend_names(kwargs)
+        check_device_name(kwargs.get("device"))
         if "groups" in kwargs:  # a subclass may compute its groups itself
             check_groups(kwargs["groups"], world_size)
 
@@ -135,6 +139,24 @@ def check_backend_names(kwargs: dict[str, Any]) -> None:
             reg.resolve_name(kwargs[key])
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{key}: {exc}") from None
+
+
+def check_device_name(device: Any) -> None:
+    """Refuse a ``device`` that names no torch device ("gpu", "cuda:x", 3): ``None``, "cpu",
+    "cuda" and "cuda:N" pass. Whether the device exists is the launcher's question (a Ray
+    driver may have no GPU while its workers do)."""
+    if device is None:
+        return
+    import torch
+
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a string such as 'cpu' or 'cuda:0', got {device!r}")
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"device={device!r} names no torch device; use 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
 
 
 def check_groups(groups: Any, world_size: int) -> dict[int, int]:

@@ -163,6 +163,7 @@ class MPLauncher(Launcher):
             raise guard
         packed = pack_launch(task_type, kwargs)
         task_type.check_launch_kwargs(self._n_tasks, **kwargs)
+        check_local_device(kwargs.get("device"))
         log.configure()
         run_dir = None
         if self._output.log_dir is not None:
@@ -660,3 +661,27 @@ def _redirect(out_conn: mpc.Connection, err_conn: mpc.Connection) -> None:
         conn.close()
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
+
+
+def check_local_device(device: Any) -> None:
+    """Refuse a CUDA ``device`` this machine does not have, before any worker starts: the
+    workers of this launcher run here. ``torch.cuda.device_count`` asks NVML where it can, so
+    the parent creates no CUDA context (a later fork stays safe)."""
+    if device is None:
+        return
+    import torch
+
+    dev = torch.device(device)  # check_launch_kwargs has refused what does not parse
+    if dev.type != "cuda":
+        return
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(
+            f"device={str(device)!r}: this machine has no CUDA device (torch sees none); "
+            "use device='cpu', or launch on a GPU machine with a CUDA build of torch"
+        )
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(
+            f"device={str(device)!r}: this machine has {count} CUDA device(s), "
+            f"cuda:0..cuda:{count - 1}; pick one of those or use device='cuda'"
+        )
