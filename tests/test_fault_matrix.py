@@ -90,3 +90,21 @@ def test_step_records_sit_beside_the_coordinators_and_name_who_is_waited_on(tmp_
     steps.synced(2)
     assert read_progress(path).waits_on() == ()  # type: ignore[union-attr]
     log.close()
+
+
+def test_a_dead_rank_comes_before_the_transport_errors_it_caused() -> None:
+    from vllm_dist.implementations.launchers.common import mark_causes
+    from vllm_dist.interfaces import WorkerFailure
+
+    ucx = "Traceback ...\nNixlTransferError: add_remote_agent: nixlBackendError: UCX endpoint create failed"
+    gloo = (
+        "Traceback ...\nRuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    )
+    for text in (ucx, gloo):
+        producer = WorkerFailure(rank=0, reason="raised", traceback=text, kind="raised", at=1.0)
+        consumer = WorkerFailure(rank=1, reason="killed by signal SIGKILL", kind="signal", at=2.0)
+        marked = mark_causes([producer, consumer])
+        assert [f.rank for f in marked if f.cause] == [1], text
+    own = WorkerFailure(rank=0, reason="raised", traceback="ValueError: bad", kind="raised", at=1.0)
+    died = WorkerFailure(rank=1, reason="killed", kind="signal", at=2.0)
+    assert [f.rank for f in mark_causes([own, died]) if f.cause] == [0]  # its own error: first

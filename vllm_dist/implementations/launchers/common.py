@@ -200,12 +200,20 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-# what a rank's error says when it only saw another rank go away or never arrive
-_CONSEQUENCE_MARKERS = (
-    "Connection closed by peer",
+# what a rank's error says when it only saw another rank go away or never arrive: a transport
+# error anywhere in its traceback (the first group), or a timeout as its last line
+_TRANSPORT_MARKERS = (
+    "Connection closed by peer",  # gloo
     "Connection reset by peer",
     "Broken pipe",
     "TransferStallError",  # a weight sync that waited out its stall timeout on a peer
+    "NixlTransferError",  # NIXL: the peer died or its endpoint broke
+    "NixlTimeoutError",
+    "nixlRemoteDisconnectError",
+    "UCX endpoint",  # "UCX endpoint create failed": the peer's worker address went away
+)
+_CONSEQUENCE_MARKERS = (
+    *_TRANSPORT_MARKERS,
     "CoordinatorTimeoutError",
     "DistNetworkError",
     "Socket Timeout",
@@ -217,11 +225,13 @@ _CONSEQUENCE_MARKERS = (
 
 
 def looks_like_consequence(failure: WorkerFailure) -> bool:
-    """Whether a rank's error reads as a reaction to a peer's failure, not a failure of its own."""
+    """Whether a rank's error reads as a reaction to a peer's failure, not a failure of its own:
+    a transport error (closed connection, NIXL/UCX endpoint error, stalled transfer) or a
+    timeout. A rank that died (signal, non-zero exit) without a traceback is never one."""
     if failure.kind != "raised" or not failure.traceback:
         return False
     last = failure.traceback.strip().splitlines()[-1:] or [""]
-    return any(m in failure.traceback for m in _CONSEQUENCE_MARKERS[:4]) or any(
+    return any(m in failure.traceback for m in _TRANSPORT_MARKERS) or any(
         m in last[0] for m in _CONSEQUENCE_MARKERS
     )
 

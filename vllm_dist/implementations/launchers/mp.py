@@ -347,6 +347,7 @@ class _Run:
             ready = mpc.wait(list(waitables), timeout=self._remaining())
             if not ready:
                 raise self._timeout_error(outcomes)
+            seen = time.time()  # before the join in _read_outcome: a death's own time
             for obj in ready:
                 if obj not in waitables or waitables[obj] in outcomes:
                     continue
@@ -354,7 +355,7 @@ class _Run:
                 outcome = self._read_outcome(rank)
                 outcomes[rank] = outcome
                 if not outcome.ok:
-                    failures.append(self._failure(rank, outcome))
+                    failures.append(self._failure(rank, outcome, seen))
                 self._forget(waitables, rank)
         if failures:
             self._collect_more_failures(failures, outcomes)
@@ -385,12 +386,12 @@ class _Run:
             return WorkerOutcome(ok=True, payload=serialization.dumps(None))
         return WorkerOutcome(ok=False)
 
-    def _failure(self, rank: int, outcome: WorkerOutcome) -> WorkerFailure:
+    def _failure(self, rank: int, outcome: WorkerOutcome, at: float | None = None) -> WorkerFailure:
+        """``rank``'s failure; ``at``: when its end was seen (default: now)."""
+        at = time.time() if at is None else at
         if outcome.traceback:
-            return raised_failure(rank, outcome, time.time())
-        return exit_failure(
-            rank, self.procs[rank].exitcode, "before returning a result", time.time()
-        )
+            return raised_failure(rank, outcome, at)
+        return exit_failure(rank, self.procs[rank].exitcode, "before returning a result", at)
 
     def _collect_more_failures(
         self, failures: list[WorkerFailure], outcomes: dict[int, WorkerOutcome]
