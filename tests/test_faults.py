@@ -48,10 +48,8 @@ class RaiseThenPeerSeesClose(GlobalCoordinatorDistributedTask):
 
 @distributed_test(timeout=120)
 def test_the_first_rank_to_fail_is_listed_first() -> None:
-    start = time.monotonic()
     with pytest.raises(LaunchError) as err:
         MPLauncher(2, timeout=90).launch(task_type=RaiseThenPeerSeesClose, **BACKENDS)
-    assert time.monotonic() - start < 60
     first = err.value.failures[0]
     assert first.rank == 1 and first.cause and first.kind == "raised"
     assert "rank 1's own error" in first.traceback
@@ -100,12 +98,11 @@ def _assert_rank1_named_as_hung(err: LaunchError) -> None:
 
 @distributed_test(timeout=120)
 def test_a_collective_timeout_names_the_rank_that_never_arrived() -> None:
-    start = time.monotonic()
     with pytest.raises(LaunchError) as err:
         MPLauncher(2, timeout=90).launch(
             task_type=OneRankHangs, coordinator_options={"timeout": 4}, **BACKENDS
         )
-    assert time.monotonic() - start < 60
+    assert not isinstance(err.value, LaunchTimeoutError), err.value  # the collective's timeout
     _assert_rank1_named_as_hung(err.value)
     zero = next(f for f in err.value.failures if f.rank == 0)
     assert not zero.cause and zero.last_op.startswith("inside all_gather_object #")
@@ -113,10 +110,8 @@ def test_a_collective_timeout_names_the_rank_that_never_arrived() -> None:
 
 @distributed_test(timeout=120)
 def test_a_launch_timeout_names_the_rank_that_never_arrived() -> None:
-    start = time.monotonic()
     with pytest.raises(LaunchTimeoutError) as err:
         MPLauncher(2, timeout=12).launch(task_type=OneRankHangs, **BACKENDS)
-    assert time.monotonic() - start < 60
     _assert_rank1_named_as_hung(err.value)
     lines, first = inspect.getsourcelines(OneRankHangs.post_init_distributed)
     sleep_line = first + next(i for i, line in enumerate(lines) if "time.sleep" in line)
