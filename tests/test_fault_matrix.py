@@ -108,3 +108,28 @@ def test_a_dead_rank_comes_before_the_transport_errors_it_caused() -> None:
     own = WorkerFailure(rank=0, reason="raised", traceback="ValueError: bad", kind="raised", at=1.0)
     died = WorkerFailure(rank=1, reason="killed", kind="signal", at=2.0)
     assert [f.rank for f in mark_causes([own, died]) if f.cause] == [0]  # its own error: first
+
+
+def test_a_timeout_shows_the_ranks_own_busy_threads() -> None:
+    import threading
+    import time
+
+    from vllm_dist.implementations.launchers.common import busy_threads
+
+    stop = threading.Event()
+
+    def stuck_in_its_unpack() -> None:
+        while not stop.is_set():
+            time.sleep(0.01)
+
+    busy = threading.Thread(target=stuck_in_its_unpack, name="wt-recv-p0", daemon=True)
+    idle = threading.Thread(target=stop.wait, name="idle-waiter", daemon=True)
+    busy.start()
+    idle.start()
+    try:
+        text = busy_threads(TimeoutError("consumer 0 <- producer 0 (chunk 3)"), 1)
+        assert "thread wt-recv-p0" in text and "stuck_in_its_unpack" in text, text
+        assert "idle-waiter" not in text, text  # waiting, not busy
+        assert busy_threads(ValueError("its own error"), 1) == ""  # only after a timeout
+    finally:
+        stop.set()

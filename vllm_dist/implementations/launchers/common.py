@@ -6,12 +6,14 @@ Launchers call these plain functions; there is no launcher base class with share
 from __future__ import annotations
 
 import ast
+import linecache
 import math
 import os
 import random
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -77,9 +79,44 @@ def run_packed_task(packed: bytes, info: WorkerInfo, *, rank_prefix: bool = Fals
     except BaseException as exc:  # noqa: BLE001 - the traceback is the report
         at = time.time()
         taken = isinstance(exc, RendezvousPortTakenError) and exc.port == info.master_port
-        return WorkerOutcome(
-            ok=False, traceback=traceback.format_exc(), port_taken=taken, failed_at=at
-        )
+        text = traceback.format_exc() + busy_threads(exc, info.rank)
+        return WorkerOutcome(ok=False, traceback=text, port_taken=taken, failed_at=at)
+
+
+# where a thread that waits (for work, or on a peer) sits: not busy with work of its own
+_IDLE_FILES = ("queue.py", "threading.py", "selectors.py", "concurrent/futures/thread.py")
+_IDLE_CALLS = (".get(", ".wait(", ".recv(", ".poll(", ".select(")
+
+
+def _waiting(frame: Any) -> bool:
+    """Whether a thread's innermost Python frame is a wait (a queue get, an event, a poll)."""
+    if frame.f_code.co_filename.endswith(_IDLE_FILES):
+        return True
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    return any(call in line for call in _IDLE_CALLS)
+
+
+def busy_threads(exc: BaseException, rank: int) -> str:
+    """After a timeout (a stalled transfer, a collective), this rank's other threads that were
+    not idle, with their stacks: a receiver thread stuck in its own work (an unpack) shows here,
+    so the error does not read as only the peer's fault. Empty otherwise."""
+    chain: BaseException | None = exc
+    while chain is not None and not isinstance(chain, TimeoutError):
+        chain = chain.__cause__ or chain.__context__
+    if chain is None:
+        return ""
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me or _waiting(frame):
+            continue
+        stack = "".join(traceback.format_stack(frame))
+        parts.append(f"thread {names.get(ident, ident)!s}:\n{stack}")
+    if not parts:
+        return ""
+    head = f"\nthreads of rank {rank} still busy when it gave up (its own work, not a peer):\n"
+    return head + "".join(parts)
 
 
 def exits_cleanly(code: Any) -> bool:
