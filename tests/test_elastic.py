@@ -78,19 +78,20 @@ def _run_elastic_drill(tmp_path: Path, device: str) -> None:
     launch takes its slot and two more join (four replicas); then one leaves cleanly and two
     are killed between syncs (one replica)."""
     driver = _driver(capacity=4, device=device)
-    hold, arm = tmp_path / "held", tmp_path / "arm"
+    hold, arm, gate = tmp_path / "held", tmp_path / "arm", tmp_path / "gate"
     try:
         driver.start("producers", "producer", 0, 2)
         driver.start("a", "consumer", 0, 1)
         driver.start("b", "consumer", 1, 1, hold_at=3, hold_file=str(hold), arm_file=str(arm))
+        for name, slot in (("c", 1), ("d", 2), ("e", 3)):  # started now, joining at the gate
+            driver.start(name, "consumer", slot, 1, gate_file=str(gate))
         driver.wait_ready([0, 1])
+        assert len(driver.view().role("consumer")) == 2  # two replicas
         arm.touch()  # both ready: b may hold now (not before a's launch came up)
         _wait_for(hold, driver)  # b sits out a sync the producers are serving
         old = set(driver.kill([1]))  # kill -9 mid-sync
         driver.wait_gone([1])
-        driver.start("c", "consumer", 1, 1)  # a new launch in the same slot
-        driver.start("d", "consumer", 2, 1)
-        driver.start("e", "consumer", 3, 1)
+        gate.touch()  # c: a new launch in b's slot; d and e: two more replicas
         view = driver.wait_ready([0, 1, 2, 3])
         assert len(view.role("consumer")) == 4  # four replicas
         assert not old & {m.pid for m in view.role("consumer")}  # new processes
@@ -100,6 +101,7 @@ def _run_elastic_drill(tmp_path: Path, device: str) -> None:
         assert {m.slot for m in view.role("consumer")} == {0}  # one replica
         results = driver.stop()
     finally:
+        gate.touch()  # a launch still at its gate goes on, and ends on the closed store
         driver.close()
     for name in "bde":
         assert isinstance(results[name], Exception), results[name]
@@ -134,7 +136,7 @@ def _store_keys(driver: FleetDriver) -> list[str]:
 
 
 @distributed_test(timeout=300)
-def test_torch_distributed_fleet_and_a_restarted_producer_launch() -> None:
+def test_torch_distributed_fleet_and_a_restarted_producer_launch(tmp_path: Path) -> None:
     """torch_distributed in an elastic fleet (a gloo group per producer/consumer pair, built
     over the fleet store at admission): a consumer launch killed between syncs takes only its
     pairs down, a new launch in its slot gets new ones, and the store holds no more keys than
@@ -143,24 +145,29 @@ def test_torch_distributed_fleet_and_a_restarted_producer_launch() -> None:
     started again (same weights, as from a checkpoint), every consumer joins the new producers,
     its plan checked again, and syncs on byte-exact."""
     driver = _driver(capacity=2, comm=CommunicatorType.TORCH_DISTRIBUTED, stall=8.0)
+    gate, gate2 = tmp_path / "gate", tmp_path / "gate2"
     try:
         driver.start("producers", "producer", 0, 2)
         driver.start("a", "consumer", 0, 1)
         driver.start("b", "consumer", 1, 1)
+        driver.start("c", "consumer", 1, 1, gate_file=str(gate))  # joins at the gate
+        driver.start("producers2", "producer", 0, 2, gate_file=str(gate2))
         driver.wait_ready([0, 1])
         before = _store_keys(driver)
         driver.kill([1])
         driver.wait_gone([1])
-        driver.start("c", "consumer", 1, 1)
+        gate.touch()
         driver.wait_ready([1])
         after = _store_keys(driver)
         assert len(after) <= len(before), sorted(set(after) ^ set(before))
         driver.kill([0, 1], role="producer")
         driver.wait_gone([0, 1], role="producer")
-        driver.start("producers2", "producer", 0, 2)
+        gate2.touch()
         driver.wait_joins([0, 1], joins=2)
         results = driver.stop()
     finally:
+        gate.touch()  # a launch still at its gate goes on, and ends on the closed store
+        gate2.touch()
         driver.close()
     assert isinstance(results["b"], Exception) and isinstance(results["producers"], Exception)
     final = len(results["producers2"][0]["syncs"])
