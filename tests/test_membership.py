@@ -514,6 +514,28 @@ def test_release_deletes_only_the_departed_members_keys() -> None:
         server.close()
 
 
+def test_the_store_does_not_grow_as_members_join_message_and_leave() -> None:
+    """A slot taken again and again (leaving cleanly, or replaced while live), with messages
+    both ways each time: the store's key count stays that of the first round."""
+    server = AuthStoreServer("127.0.0.1", 0, SECRET)
+    try:
+        host = Fleet("127.0.0.1", server.port, SECRET, CONFIG).join("producer", 0)
+        counts = []
+        for round_ in range(4):
+            guest = Fleet("127.0.0.1", server.port, SECRET, CONFIG).join("consumer", 1)
+            guest.send(host.info, round_)
+            assert host.recv(guest.id, timeout=10) == round_
+            host.send(guest.info, round_)
+            assert guest.recv(host.id, timeout=10) == round_
+            guest.leave()
+            guest.fleet.close()
+            counts.append(len(host.fleet.store.list_keys()))
+        assert counts[1:] == counts[:1] * 3, counts
+        host.leave()
+    finally:
+        server.close()
+
+
 def test_store_coordinator_refuses_no_secret_and_names_a_taken_port() -> None:
     from vllm_dist.implementations.coordinators.store_coordinator import StoreCoordinator
     from vllm_dist.interfaces import RendezvousPortTakenError, WorkerInfo

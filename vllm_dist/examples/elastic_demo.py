@@ -33,11 +33,22 @@ from vllm_dist.tasks.weight_transfer.task import ConsumerSpec
 class ElasticLlamaTask(ElasticTransferTask, LlamaTransferTask):
     """The demo Llama over an elastic fleet (see ``ElasticTransferTask`` for the keywords).
 
-    Also ``hold_at`` / ``hold_file`` (fault drills): a consumer stops before sync ``hold_at``
-    (0-based), touching ``hold_file``, and waits there for good, so the producers, already
-    serving that sync, find it gone mid-sync once it is killed. ``strict``: a consumer whose
+    Also ``gate_file`` (see ``run``) and ``hold_at`` / ``hold_file`` / ``arm_file`` (fault drills): a consumer stops before
+    sync ``hold_at`` (0-based) or a later one, once ``arm_file`` exists (when given), touching
+    ``hold_file``, and waits there for good, so the producers, already serving that sync, find
+    it gone mid-sync once it is killed. ``strict``: a consumer whose
     parameters do not match raises (so ``ready`` implies a byte-exact sync).
     """
+
+    def run(self, *, gate_file: str | None = None, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """``ElasticTransferTask.run``, once ``gate_file`` exists when given: a launch started
+        ahead (its processes up) joins the fleet only when a drill opens its gate."""
+        deadline = time.monotonic() + 600.0
+        while gate_file is not None and not Path(gate_file).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gate {gate_file} was not opened within 600 s")
+            time.sleep(0.05)
+        return super().run(**kwargs)
 
     def before_consumer_sync(
         self,
@@ -45,9 +56,11 @@ class ElasticLlamaTask(ElasticTransferTask, LlamaTransferTask):
         spec: ConsumerSpec,
         hold_at: int | None = None,
         hold_file: str | None = None,
+        arm_file: str | None = None,
         **kw: Any,
     ) -> None:
-        if hold_at is not None and step >= hold_at:
+        armed = arm_file is None or Path(arm_file).exists()
+        if hold_at is not None and step >= hold_at and armed:
             if hold_file:
                 Path(hold_file).touch()
             while True:

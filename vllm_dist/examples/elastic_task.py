@@ -43,6 +43,7 @@ from vllm_dist.tasks.weight_transfer.elastic import (
     SlotCoordinator,
     slot_fleet,
     wait_for_producers,
+    watch_producers,
 )
 from vllm_dist.tasks.weight_transfer.task import ConsumerSpec, WeightTransferTask, _token_bytes
 
@@ -123,7 +124,8 @@ class ElasticTransferTask(WeightTransferTask):
 
     Returns per rank a dict: the role, slot, member id, per-sync stats, the hooks' outputs,
     fleet changes seen by producers (``events``), and for a consumer ``started``/``ready``
-    (``time.time()`` at its start and at the end of its first complete sync) and ``version``.
+    (``time.time()`` at its start and at the end of its first complete sync), ``version`` and
+    ``errors`` (the failures it joined again after: a producer restart).
     """
 
     @classmethod
@@ -157,6 +159,8 @@ class ElasticTransferTask(WeightTransferTask):
             local_world_size=info.local_world_size,
         )
         comm_cls = elastic_communicator(communicator_type)
+        if elastic.role == "consumer":  # a dead producer fails a wait within about a lease
+            comm_cls = watch_producers(comm_cls, coord)
         self.communicator = comm_cls(coord, device=device, **(communicator_options or {}))  # type: ignore[call-arg]
         self.device = self.communicator.device
         fleet = Fleet(elastic.host, elastic.port, elastic.secret(), elastic.membership)
@@ -237,7 +241,7 @@ class ElasticTransferTask(WeightTransferTask):
         producers = wait_for_producers(member, coord.num_producers, wait_s)
         spec = self.make_consumer(cid, coord.capacity, **kw)
         out: dict[str, Any] = {"role": "consumer", "index": cid, "syncs": [], "outputs": []}
-        out.update(ready=None, joins=0)
+        out.update(ready=None, joins=0, errors=[])
         while True:
             engine = ElasticConsumer(
                 coord,
@@ -253,7 +257,8 @@ class ElasticTransferTask(WeightTransferTask):
                 member.publish(f"{JOINS_KEY}/{cid}", out["joins"])
                 self._sync_until_done(member, engine, spec, out, kw)
                 break
-            except Exception:
+            except Exception as exc:
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
                 restarted = producers_restarted(member, producers, wait_s)
                 if restarted is None:
                     raise

@@ -4,7 +4,9 @@ A gloo group over a whole fleet takes no new member and breaks when one dies. A
 ``torch.distributed.ProcessGroupGloo(store, rank, 2)`` needs no default group, so an elastic
 fleet builds one per (producer, consumer) pair when the consumer is admitted (``add_peer``),
 over a ``PrefixStore`` of the fleet's authenticated store named by both members' incarnations,
-and drops it when the consumer leaves (``remove_peer``): no other pair notices. CPU tensors
+and drops it when the consumer leaves (``remove_peer``): no other pair notices. The
+rendezvous keys gloo leaves in the store are deleted once both ends hold the group, so the
+store does not grow as consumers come and go. CPU tensors
 only (gloo); rejected alternative: a ``ProcessGroupNCCL`` per pair, which would hold a NCCL
 communicator per pair in VRAM and is left for when a GPU fleet over NCCL needs it.
 """
@@ -51,6 +53,7 @@ class PairGlooCommunicator(DeviceCommunicator):
         self._rank = coordinator.get_rank()
         self._timeout = timeout
         self._groups: dict[int, tuple[Any, int]] = {}  # peer rank -> (group, peer's index)
+        self._prefixes: dict[int, str] = {}  # peer rank -> its pair group's store prefix
 
     @property
     def device(self) -> torch.device:
@@ -77,13 +80,34 @@ class PairGlooCommunicator(DeviceCommunicator):
         names = (mine, theirs) if me == 0 else (theirs, mine)
         # the member's own connection: gloo uses the store only while this call rendezvouses,
         # on this thread (a clone of the Python store does not work under gloo)
-        store = dist.PrefixStore(f"pairpg/{names[0]}/{names[1]}/", member.fleet.store)
+        prefix = f"pairpg/{names[0]}/{names[1]}/"
+        self._prefixes[rank] = prefix  # from here on remove_peer deletes its keys
+        store = dist.PrefixStore(prefix, member.fleet.store)
         group = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=self._timeout))
         self._groups[rank] = (group, 1 - me)
+        # rank 1 of the pair tells rank 0 it holds the group (so it read rank 0's key); rank 0
+        # held it already (it read rank 1's), so it then deletes both rendezvous keys
+        done = torch.zeros(1, dtype=torch.uint8)
+        if me == 1:
+            self.send(done, rank)
+        else:
+            self.recv(done, rank)
+            self._forget_keys(self._prefixes.pop(rank))
 
     def remove_peer(self, rank: int) -> None:
-        """Drop the pair group with ``rank`` (it left); others are untouched."""
+        """Drop the pair group with ``rank`` (it left) and any of its keys left in the store
+        (a peer that died while the group was built); others are untouched."""
         self._groups.pop(rank, None)
+        prefix = self._prefixes.pop(rank, None)
+        if prefix is not None:
+            self._forget_keys(prefix)
+
+    def _forget_keys(self, prefix: str) -> None:
+        """Delete the store keys under ``prefix`` (a pair group's rendezvous)."""
+        store = self._member().fleet.store
+        for key in store.list_keys():
+            if key.startswith(prefix):
+                store.delete_key(key)
 
     def _pair(self, peer: int) -> tuple[Any, int]:
         pair = self._groups.get(peer)

@@ -23,8 +23,13 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from vllm_dist.interfaces import CoordinatorTimeoutError, WorkerCoordinator
-from vllm_dist.tasks.weight_transfer.config import Fleet, SyncStats, WeightTransferSetupError
-from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer
+from vllm_dist.tasks.weight_transfer.config import (
+    Fleet,
+    SyncStats,
+    TornModelError,
+    WeightTransferSetupError,
+)
+from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer, torn_error
 from vllm_dist.tasks.weight_transfer.index import ProducerFacts
 from vllm_dist.tasks.weight_transfer.producer import WeightProducer
 
@@ -43,6 +48,10 @@ VIEW_CACHE_S = 0.2  # how stale a roster read may be when asking whether a peer 
 
 class SlotVacantError(RuntimeError):
     """A message was for (or from) a slot that no live member holds."""
+
+
+class ProducerGoneError(RuntimeError):
+    """A producer a consumer syncs from is no longer a live member (its lease ran out)."""
 
 
 @runtime_checkable
@@ -134,6 +143,13 @@ class SlotCoordinator(WorkerCoordinator):
         if not live:
             raise SlotVacantError(f"no live member holds {key} (rank {rank})")
         return live[0].id
+
+    def producers_gone(self) -> list[str]:
+        """The member ids of the bound producers no longer live (roster at most
+        ``VIEW_CACHE_S`` old)."""
+        ids = [self._bound.get(p) for p in range(self.num_producers)]
+        view = self.view(VIEW_CACHE_S)
+        return [i for i in ids if i is not None and view.find(i) is None]
 
     def gone(self, rank: int) -> bool:
         """Whether the member bound to ``rank`` is no longer live (roster at most
@@ -337,6 +353,59 @@ class ElasticConsumer(WeightConsumer):
             if peers is not None:
                 peers.add_peer(m.slot, info)
         self.join()
+
+    def sync(self) -> SyncStats:
+        """``WeightConsumer.sync``; a sync that failed while a producer died (a transport that
+        saw it first, within two leases) names that producer in its ``TornModelError``."""
+        try:
+            return super().sync()
+        except TornModelError as exc:
+            if isinstance(exc.__cause__, ProducerGoneError):
+                raise
+            lease = self.coordinator._require().fleet.config.lease_s
+            deadline = time.monotonic() + 2 * lease
+            while not (gone := self.coordinator.producers_gone()):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(VIEW_CACHE_S)
+            why = ProducerGoneError(
+                f"producer(s) {', '.join(gone)} no longer live members of the fleet "
+                f"({type(exc.__cause__).__name__}: {exc.__cause__})"
+            )
+            raise torn_error(
+                self.consumer_id, exc.target, exc.held, why, intact=not self.torn
+            ) from exc
+
+
+def watch_producers(cls: type[Any], coordinator: SlotCoordinator) -> type[Any]:
+    """``cls`` (a consumer's communicator) whose waits for a producer's notification are cut
+    into short slices between which the roster is asked whether that producer is still live:
+    a dead producer fails the wait (``ProducerGoneError``) within about a lease, not after the
+    stall timeout. A class without ``wait_notification`` is returned as is."""
+    if not hasattr(cls, "wait_notification"):
+        return cls
+
+    class WatchedProducers(cls):  # type: ignore[misc, valid-type]
+        def wait_notification(self, peer: int, timeout: float | None = None) -> Any:
+            wait = super().wait_notification
+            if timeout is None or timeout <= VIEW_CACHE_S or peer >= coordinator.num_producers:
+                return wait(peer, timeout)
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    return wait(peer, max(min(left, VIEW_CACHE_S), 0.0))
+                except TimeoutError:
+                    if coordinator.gone(peer):
+                        raise ProducerGoneError(
+                            f"producer {peer} ({coordinator.bound(peer)}) is no longer a live "
+                            "member of the fleet (its lease ran out)"
+                        ) from None
+                    if left <= VIEW_CACHE_S:
+                        raise
+
+    WatchedProducers.__name__ = WatchedProducers.__qualname__ = cls.__name__
+    return WatchedProducers
 
 
 def wait_for_producers(member: Member, num_producers: int, timeout: float) -> list[MemberInfo]:
