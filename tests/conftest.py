@@ -96,3 +96,28 @@ def make_launcher(request: pytest.FixtureRequest) -> LauncherFactory:
         return RayLauncher(n_tasks, **options)  # type: ignore[no-any-return]
 
     return factory
+
+
+# Soak and repeated-scenario tests: each repeats at scale what a faster test in the default run
+# already checks (named after the "#"), so CI's run stays within its time; `pytest -m slow` runs them.
+SLOW = {
+    "test_ray_multinode.py::test_placement_strategies_and_node_facts_on_a_two_node_cluster": "a 2-node cluster; placement and node facts: test_ray_launcher's local-rank mapping",
+    "test_ray_launcher.py::test_twelve_launches_leave_no_actors_or_placement_groups": "12 launches; one launch: test_ray_launcher's failure and timeout tests",
+    "test_ray_launcher.py::test_launches_in_one_driver_reuse_one_ray_with_flat_threads_and_fds": "flatness over launches; benchmarks/ray_launches.py measures it over 50",
+    "test_ray_cli.py::test_weight_transfer_on_a_private_ray": "the CLI on Ray: test_all_reduce_on_a_private_ray",
+    "test_correctness.py::test_remote_code_config_by_value_on_first_ray_launch[kept_cache]": "by value on Ray: the [clean] case",
+    "test_faults.py::test_clean_launches_end_with_exit_code_zero": "six launches; exit codes of one: test_a_worker_that_dies_after_returning_is_reported",
+    "test_membership.py::test_scale_two_to_four_to_one": "2 -> 4 -> 1 members: test_elastic's fleet drill",
+    "test_logs.py::test_a_launch_that_fails_once_is_restarted_as_a_whole[exit]": "a restart: the [raise] case",
+    "test_serialization.py::test_trust_remote_code_config_reaches_workers[ray]": "by value on Ray: test_correctness's first-Ray-launch test",
+    "test_tasks_and_registry.py::test_grouped_all_reduce_stays_in_group[ray-groups1]": "grouping on Ray: the [ray-groups0] case",
+    "test_tasks_and_registry.py::test_grouped_all_reduce_stays_in_group[ray-groups2]": "grouping on Ray: the [ray-groups0] case",
+    "test_correctness.py::test_sys_exit_zero_is_a_success_without_a_result[ray]": "exit codes on Ray: test_ray_launcher's failure tests; sys.exit(0): the [mp] case",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests in SLOW (by file::name[params]) with ``slow``."""
+    for item in items:
+        if item.nodeid.split("/")[-1] in SLOW:
+            item.add_marker(pytest.mark.slow)
