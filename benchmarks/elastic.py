@@ -16,8 +16,8 @@ runs without replays); each consumer checks every byte after its first and its l
 Cases: ``dense`` (``--dense-mb``, default 64 on the CPU and 1000 on CUDA, bf16 matrices of
 8 MiB) and ``moe`` (``--moe-tensors`` small expert tensors, default 100,000).
 
-    python benchmarks/elastic.py [--device cpu|cuda] [--dense-mb 64] [--moe-tensors 100000]
-        [--cases dense,moe] [--out bench_results/elastic.json]
+    python benchmarks/elastic.py [--device cpu|cuda] [--comm nixl_rdt|torch_distributed]
+        [--dense-mb 64] [--moe-tensors 100000] [--cases dense,moe] [--out bench_results/elastic.json]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from vllm_dist import CommunicatorType  # noqa: E402
 from vllm_dist.examples.elastic_demo import FleetDriver  # noqa: E402
 from vllm_dist.examples.elastic_task import ElasticTransferTask  # noqa: E402
 from vllm_dist.examples.llama_tp import fill_weights, replicated, tensor_digest  # noqa: E402
+from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env  # noqa: E402
 from vllm_dist.implementations.coordinators.membership import MembershipConfig  # noqa: E402
 from vllm_dist.serialization import register_by_value  # noqa: E402
 from vllm_dist.tasks.weight_transfer import (  # noqa: E402
@@ -111,9 +112,14 @@ def dropped_at(producers: Any, member_id: str) -> float | None:
 
 
 def run_case(
-    name: str, shapes: Shapes, device: str, steady_s: float, out_dir: str
+    name: str, shapes: Shapes, device: str, comm: str, steady_s: float, out_dir: str
 ) -> dict[str, Any]:
     """One fleet through the events of the module docstring; its rows."""
+    nccl = comm == "torch_distributed" and device == "cuda"  # ranks share the GPU as hosts
+
+    def env(launch: str) -> dict[str, str] | None:
+        return shared_gpu_nccl_env(launch) if nccl else None
+
     check_file = os.path.join(out_dir, f"elastic-{name}-{os.getpid()}.check")
     driver = FleetDriver(
         num_producers=2,
@@ -121,7 +127,7 @@ def run_case(
         membership=MEMBERSHIP,
         task=BenchTask,
         launch_timeout=3600,
-        communicator_type=CommunicatorType.NIXL_RDT,
+        communicator_type=CommunicatorType(comm),
         communicator_options={"timeout": 300.0},
         device=device,
         config=TransferConfig(workers_per_replica=1, stall_timeout=300.0),
@@ -132,9 +138,9 @@ def run_case(
     marks: dict[str, tuple[float, float]] = {}
     joins: dict[str, float] = {}
     try:
-        driver.start("producers", "producer", 0, 2)
-        driver.start("c0", "consumer", 0, 1)
-        driver.start("c1", "consumer", 1, 1)
+        driver.start("producers", "producer", 0, 2, env=env("producers"))
+        driver.start("c0", "consumer", 0, 1, env=env("c0"))
+        driver.start("c1", "consumer", 1, 1, env=env("c1"))
         driver.wait_ready([0, 1], 900)
         t = time.time()
         time.sleep(steady_s)
@@ -145,7 +151,7 @@ def run_case(
                 driver.kill([slot])
                 driver.wait_gone([slot], 600)
             else:
-                driver.start(launch, "consumer", slot, 1)
+                driver.start(launch, "consumer", slot, 1, env=env(launch))
                 driver.wait_ready([slot], 900)
                 joins[event] = time.time() - driver.started[launch]
             marks[event] = (t, time.time())
@@ -207,6 +213,12 @@ def main() -> None:
     ap.add_argument("--dense-mb", type=int, default=None)
     ap.add_argument("--moe-tensors", type=int, default=100000)
     ap.add_argument("--cases", default="dense,moe")
+    ap.add_argument(
+        "--comm",
+        default="nixl_rdt",
+        choices=["nixl_rdt", "torch_distributed"],
+        help="torch_distributed: a gloo group (CPU) or a NCCL communicator (CUDA) per pair",
+    )
     ap.add_argument("--steady-s", type=float, default=4.0)
     ap.add_argument("--out", default="bench_results/elastic.json")
     args = ap.parse_args()
@@ -215,10 +227,10 @@ def main() -> None:
     cases = {"dense": dense_shapes(dense_mb), "moe": moe_shapes(args.moe_tensors)}
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
-    payload: dict[str, Any] = {"device": args.device, "cases": {}}
+    payload: dict[str, Any] = {"device": args.device, "comm": args.comm, "cases": {}}
     table = []
     for name in [c for c in args.cases.split(",") if c]:
-        case = run_case(name, cases[name], args.device, args.steady_s, out_dir)
+        case = run_case(name, cases[name], args.device, args.comm, args.steady_s, out_dir)
         payload["cases"][name] = case
         label = f"{name} ({human(case['model_bytes'])}, {case['tensors']} tensors)"
         for row in case["rows"]:
@@ -240,7 +252,7 @@ def main() -> None:
                 f"{name}: launches that ended in an error (the killed one is expected): {case['errors']}"
             )
     print_table(
-        f"Elastic fleet, 2 producers, {args.device} (recover: to ready / to dropped)",
+        f"Elastic fleet, 2 producers, {args.device}, {args.comm} (recover: to ready / to dropped)",
         ["case", "event", "recover s", "others median ms", "others max ms", "syncs", "verified"],
         table,
     )

@@ -123,15 +123,18 @@ class FleetDriver:
             membership=self.membership,
         )
 
-    def start(self, name: str, role: str, slot: int, n: int, **kw: Any) -> None:
-        """Start launch ``name``: ``n`` workers of ``role`` from ``slot`` on."""
+    def start(
+        self, name: str, role: str, slot: int, n: int, env: dict[str, str] | None = None, **kw: Any
+    ) -> None:
+        """Start launch ``name``: ``n`` workers of ``role`` from ``slot`` on (``env``: the
+        launch's worker environment, e.g. ``shared_gpu_nccl_env(name)``)."""
         from vllm_dist import MPLauncher
 
         kwargs = {**self.launch_kwargs, **kw, "elastic": self.spec(role, slot)}
 
         def run() -> None:
             try:
-                launcher = MPLauncher(n, timeout=self.launch_timeout)
+                launcher = MPLauncher(n, timeout=self.launch_timeout, env=env)
                 self.results[name] = launcher.launch(task_type=self.task, **kwargs)
             except Exception as exc:  # a killed launch ends here; the caller reads it
                 self.results[name] = exc

@@ -23,7 +23,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from vllm_dist import registry
+from vllm_dist.implementations.communicators.common import cuda_device_count
 from vllm_dist.implementations.communicators.pair_gloo import PairGlooCommunicator
 from vllm_dist.implementations.coordinators.membership import (
     Fleet,
@@ -104,11 +107,19 @@ def elastic_config(config: TransferConfig | None) -> TransferConfig:
     return replace(config or TransferConfig(), replay=False)
 
 
-def elastic_communicator(key: registry.CommunicatorKey) -> type[DeviceCommunicator]:
-    """The communicator class an elastic fleet uses for ``key``: ``torch_distributed`` is
-    ``PairGlooCommunicator`` (a gloo group per pair; a fleet-wide group takes no new member)."""
+def elastic_communicator(
+    key: registry.CommunicatorKey, device: str | None = None
+) -> type[DeviceCommunicator]:
+    """The communicator class an elastic fleet uses for ``key`` on ``device`` (None: CUDA where
+    there is one): ``torch_distributed`` is a group per pair, as a fleet-wide group takes no new
+    member: ``PairGlooCommunicator`` on the CPU, ``PairNcclCommunicator`` on CUDA."""
     cls = registry.get_communicator_class(key)
     if cls is registry.get_communicator_class("torch_distributed"):
+        on_cuda = torch.device(device).type == "cuda" if device else cuda_device_count() > 0
+        if on_cuda:
+            from vllm_dist.implementations.communicators.pynccl.pair import PairNcclCommunicator
+
+            return PairNcclCommunicator
         return PairGlooCommunicator
     if not issubclass(cls, ElasticPeers):
         raise ValueError(
@@ -133,7 +144,7 @@ class ElasticTransferTask(WeightTransferTask):
         spec = kwargs.get("elastic")
         if not isinstance(spec, ElasticSpec):
             raise TypeError(f"elastic must be an ElasticSpec, got {type(spec).__name__}")
-        elastic_communicator(kwargs["communicator_type"])
+        elastic_communicator(kwargs["communicator_type"], kwargs.get("device"))
 
     def run(  # type: ignore[override]
         self,
@@ -158,7 +169,7 @@ class ElasticTransferTask(WeightTransferTask):
             local_rank=info.local_rank,
             local_world_size=info.local_world_size,
         )
-        comm_cls = elastic_communicator(communicator_type)
+        comm_cls = elastic_communicator(communicator_type, device)
         if elastic.role == "consumer":  # a dead producer fails a wait within about a lease
             comm_cls = watch_producers(comm_cls, coord)
         self.communicator = comm_cls(coord, device=device, **(communicator_options or {}))  # type: ignore[call-arg]

@@ -19,14 +19,15 @@ def default_device(
     if device is not None:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", coordinator.get_local_rank() % max(1, _cuda_count()))
+            dev = torch.device("cuda", coordinator.get_local_rank() % max(1, cuda_device_count()))
         return dev
-    if _cuda_count() > 0:
-        return torch.device("cuda", coordinator.get_local_rank() % _cuda_count())
+    if cuda_device_count() > 0:
+        return torch.device("cuda", coordinator.get_local_rank() % cuda_device_count())
     return torch.device("cpu")
 
 
-def _cuda_count() -> int:
+def cuda_device_count() -> int:
+    """CUDA devices visible here (0 with ``CUDA_VISIBLE_DEVICES=""`` or no driver)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
         return 0
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

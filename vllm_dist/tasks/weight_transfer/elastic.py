@@ -31,6 +31,8 @@ from vllm_dist.tasks.weight_transfer.config import (
 )
 from vllm_dist.tasks.weight_transfer.consumer import WeightConsumer, torn_error
 from vllm_dist.tasks.weight_transfer.index import ProducerFacts
+from vllm_dist.tasks.weight_transfer.paths.base import ConsumerPath
+from vllm_dist.tasks.weight_transfer.paths.push import ConsumerPush, ProducerPush
 from vllm_dist.tasks.weight_transfer.producer import WeightProducer
 
 logger = logging.getLogger("vllm_dist")
@@ -233,6 +235,10 @@ class ElasticProducer(WeightProducer):
         self._build_schedule()
         if self._read is not None:
             self._read.gone = self.coordinator.gone
+        elif isinstance(self._path, ProducerPush):  # stream-ordered: give up on the gone
+            peers = _peers_of(self)
+            self._path.gone = self.coordinator.gone
+            self._path.abandon = None if peers is None else peers.remove_peer
         self._refused: set[str] = set()  # members that failed their admission: never again
         self._phase("index")
         self.setup_seconds = time.perf_counter() - start
@@ -353,6 +359,16 @@ class ElasticConsumer(WeightConsumer):
             if peers is not None:
                 peers.add_peer(m.slot, info)
         self.join()
+
+    def _make_rings(self) -> ConsumerPath:
+        """The data path; on the stream-ordered push path a producer that left fails the sync
+        within about a lease (its pair abandoned), not after the stall timeout."""
+        path = super()._make_rings()
+        if isinstance(path, ConsumerPush):
+            peers = _peers_of(self)
+            path.gone = self.coordinator.gone
+            path.abandon = None if peers is None else peers.remove_peer
+        return path
 
     def sync(self) -> SyncStats:
         """``WeightConsumer.sync``; a sync that failed while a producer died (a transport that

@@ -10,6 +10,7 @@ Every wait is bounded by the stall timeout, so a dead peer ends the sync on the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from vllm_dist.interfaces.dataplane import (
     StridedReadCommunicator,
 )
 from vllm_dist.tasks.weight_transfer.ring import TransferStallError
+
+POLL_S = 0.2  # how often a device wait calls its ``poll``
 
 __all__ = [
     "OneSidedCommunicator",
@@ -78,18 +81,27 @@ def device_synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def wait_device(device: torch.device, timeout: float, what: str) -> None:
+def wait_device(
+    device: torch.device, timeout: float, what: str, poll: Callable[[], None] | None = None
+) -> None:
     """Wait, at most ``timeout`` s, for the work queued on the current stream (asynchronous
-    sends and receives included); ``TransferStallError`` instead of hanging on a dead peer."""
+    sends and receives included); ``TransferStallError`` instead of hanging on a dead peer.
+    ``poll`` is called every ``POLL_S`` while waiting (an elastic fleet gives up on peers that
+    left there, which may end their queued transfers, or raises)."""
     if device.type != "cuda":
         return
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     deadline = time.monotonic() + timeout
+    polled = time.monotonic()
     while not event.query():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TransferStallError(
                 f"{what}: device work did not finish within the stall timeout of {timeout} s "
                 "(a peer of an asynchronous transfer is dead or hung)"
             )
+        if poll is not None and now - polled > POLL_S:
+            polled = now
+            poll()
         time.sleep(20e-6)

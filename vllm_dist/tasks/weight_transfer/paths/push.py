@@ -61,6 +61,10 @@ class ProducerPush(ProducerPath):
         self._queued: list[tuple[torch.cuda.Event, int]] = []
         # not CUDA: consumer -> (receive of its receipt still posted, its buffer)
         self._receipts_posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        # elastic fleets: ``gone(peer rank)`` says a consumer left the fleet; ``abandon(peer
+        # rank)`` releases its pair on the data plane, ending what is queued for it
+        self.gone: Callable[[int], bool] | None = None
+        self.abandon: Callable[[int], None] | None = None
 
     def reset(self) -> None:
         for pair in self._pairs.values():
@@ -151,8 +155,9 @@ class ProducerPush(ProducerPath):
                     self._await_receipt(cid, pair, what)
             except Exception as exc:  # noqa: BLE001 - raised once the others are heard
                 pair.error = pair.error or reworded(exc, f"{what}: {exc}")
+        poll = self._give_up_on_gone if self.gone is not None else None
         try:
-            wait_device(device, self.config.stall_timeout, f"producer {self.producer_id}")
+            wait_device(device, self.config.stall_timeout, f"producer {self.producer_id}", poll)
         except TransferStallError as exc:
             # stream order: the first unfinished transfer is the one that holds up the rest
             first = next((cid for event, cid in self._queued if not event.query()), None)
@@ -173,12 +178,30 @@ class ProducerPush(ProducerPath):
         finally:
             self._queued.clear()
         for cid, pair in waiting:
+            if pair.error is not None:  # given up on while the stream was waited for
+                continue
             got = int(pair.receipt_buffer(device).item())
             if got != self.engine._syncs:
                 pair.error = RuntimeError(
                     f"consumer {cid} confirmed its sync {got}, expected {self.engine._syncs}: it fell "
                     "out of step with this producer (restart it: join() and admit())"
                 )
+
+    def _give_up_on_gone(self) -> None:
+        """Elastic, stream-ordered: a consumer whose transfers are still queued and that left
+        the fleet is given up on (its pair abandoned, so its queued transfers end and the
+        others' behind them go on); the sync then fails for it alone."""
+        assert self.gone is not None
+        for event, cid in self._queued:
+            pair = self._pairs[cid]
+            if pair.error is not None or event.query() or not self.gone(pair.peer_rank):
+                continue
+            pair.error = RuntimeError(
+                f"producer {self.producer_id}: consumer {cid} left the fleet in sync "
+                f"{self.engine._syncs}; given up on"
+            )
+            if self.abandon is not None:
+                self.abandon(pair.peer_rank)
 
     def _await_receipt(self, cid: int, pair: ProducerPair, what: str) -> None:
         """Take consumer ``cid``'s receipt of this sync, bounded by the stall timeout. A receive
@@ -277,6 +300,9 @@ class ConsumerPush(ConsumerPath):
         self.chunks = engine.chunks
         self._direct = engine._direct
         self._broken = ""  # why a sync failed mid-transfer (no sync after it)
+        # elastic fleets, as on ``ProducerPush``: a producer that left is abandoned, the sync fails
+        self.gone: Callable[[int], bool] | None = None
+        self.abandon: Callable[[int], None] | None = None
 
     def receive(self) -> bool:
         """One sync; never a replay."""
@@ -441,7 +467,23 @@ class ConsumerPushOrdered(ConsumerPush):
                 self.engine._unpacker(j)()
         self.engine._packed = sum(d is None for d in self._direct)
         self._send_receipts()
-        wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}")
+        poll = self._fail_on_gone if self.gone is not None else None
+        wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}", poll)
+
+    def _fail_on_gone(self) -> None:
+        """Elastic, stream-ordered: a producer of this sync that left the fleet fails it, its
+        pair abandoned first (its queued transfers end instead of holding the stream)."""
+        assert self.gone is not None
+        gone = [p for p, pair in sorted(self._pairs.items()) if self.gone(pair.peer_rank)]
+        if not gone:
+            return
+        if self.abandon is not None:
+            for p in gone:
+                self.abandon(self._pairs[p].peer_rank)
+        raise RuntimeError(
+            f"consumer {self.consumer_id}: producer(s) {gone} left the fleet during sync "
+            f"{self.engine._syncs}"
+        )
 
 
 class ConsumerPushThreaded(ConsumerPush):
