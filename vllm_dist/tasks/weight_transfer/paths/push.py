@@ -471,15 +471,16 @@ class ConsumerPushOrdered(ConsumerPush):
         wait_device(self.communicator.device, timeout, f"consumer {self.consumer_id}", poll)
 
     def _fail_on_gone(self) -> None:
-        """Elastic, stream-ordered: a producer of this sync that left the fleet fails it, its
-        pair abandoned first (its queued transfers end instead of holding the stream)."""
+        """Elastic, stream-ordered: a producer of this sync that left the fleet fails it. Every
+        pair is abandoned first, so nothing queued on the stream waits on a producer any more
+        (the consumer joins its producers again before its next sync)."""
         assert self.gone is not None
         gone = [p for p, pair in sorted(self._pairs.items()) if self.gone(pair.peer_rank)]
         if not gone:
             return
         if self.abandon is not None:
-            for p in gone:
-                self.abandon(self._pairs[p].peer_rank)
+            for pair in self._pairs.values():
+                self.abandon(pair.peer_rank)
         raise RuntimeError(
             f"consumer {self.consumer_id}: producer(s) {gone} left the fleet during sync "
             f"{self.engine._syncs}"
