@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +36,7 @@ from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoo
 logger = logging.getLogger("vllm_dist")
 
 ABORT_WAIT_S = 10.0  # how long close() waits for each pair's abort before going on
+INIT_POLL_S = 0.2  # how often a pair's set-up asks the coordinator whether the peer left
 
 
 class PairNcclCommunicator(DeviceCommunicator):
@@ -106,7 +108,15 @@ class PairNcclCommunicator(DeviceCommunicator):
         """``ncclCommInitRank(2)`` on a thread of its own, bounded by the timeout; a late one
         is aborted as soon as it returns, so it never leaks."""
         box: dict[str, Any] = {}
-        given_up = threading.Event()
+        given_up, lock = threading.Event(), threading.Lock()
+
+        def give_up(why: str) -> TimeoutError:
+            with lock:
+                given_up.set()
+                done = "comm" in box  # it returned meanwhile: abort it here
+            if done:
+                self._abort_soon(box["comm"])
+            return TimeoutError(f"rank {self._rank}: {why}")
 
         def run() -> None:
             try:
@@ -115,19 +125,26 @@ class PairNcclCommunicator(DeviceCommunicator):
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 box["error"] = exc
                 return
-            if given_up.is_set():
-                self._abort(comm)
-            else:
+            with lock:
                 box["comm"] = comm
+                late = given_up.is_set()
+            if late:
+                self._abort(comm)
 
         thread = threading.Thread(target=run, name=f"nccl-pair-{rank}", daemon=True)
         thread.start()
-        thread.join(self._timeout)
+        # a coordinator that knows when a rank's holder left (an elastic fleet's roster) ends
+        # the wait for a dead peer early
+        gone = getattr(self._coord, "gone", None)
+        deadline = time.monotonic() + self._timeout
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(INIT_POLL_S)
+            if thread.is_alive() and gone is not None and gone(rank):
+                raise give_up(f"the holder of rank {rank} left before their NCCL pair was set up")
         if thread.is_alive():
-            given_up.set()
-            raise TimeoutError(
-                f"rank {self._rank}: the NCCL pair with rank {rank} was not set up within "
-                f"{self._timeout} s (the peer died or never called add_peer)"
+            raise give_up(
+                f"the NCCL pair with rank {rank} was not set up within {self._timeout} s (the "
+                "peer died or never called add_peer)"
             )
         if "error" in box:
             raise box["error"]
