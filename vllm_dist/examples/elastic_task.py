@@ -270,10 +270,10 @@ class ElasticTransferTask(WeightTransferTask):
                 break
             except Exception as exc:
                 out["errors"].append(f"{type(exc).__name__}: {exc}")
+                member.set_ready(False)  # torn: no traffic until a whole version again
                 restarted = producers_restarted(member, producers, wait_s)
                 if restarted is None:
                     raise
-                member.set_ready(False)  # until a whole version from the new producers
                 producers = restarted
             finally:
                 engine.close()
