@@ -109,8 +109,8 @@ def _run_elastic_drill(
 ) -> None:
     """The fleet's events in turn, each launch started ahead and let in at its gate:
 
-    two replicas (a, b); the producer launch killed (a and b fail naming it, torn) and a new
-    one started, which both join again; j killed (kill -9 of its launch) in its join, while the
+    two replicas (a, b); the producer launch killed (a and b fail naming it, torn and not
+    ready) and a new one started, which both join again; j killed (kill -9 of its launch) in its join, while the
     producers admit it; b killed mid-sync; c takes b's slot (the store holds no more keys than
     before); d takes j's slot and e a fourth (four replicas); c leaves cleanly and d, e are
     killed between syncs (one replica); nothing left in the store names a departed member."""
@@ -132,6 +132,8 @@ def _run_elastic_drill(
         driver.wait_ready([0, 1])
         driver.kill([0, 1], role="producer")
         driver.wait_gone([0, 1], role="producer")
+        # torn: no consumer is ready until a whole version from new producers
+        driver.fleet.wait_for(lambda v: not any(m.ready for m in v.role("consumer")), 30.0)
         f["p2"].touch()  # the producer launch again, from the same weights (its checkpoint)
         driver.wait_joins([0, 1], joins=2)
         before = _store_keys(driver)
