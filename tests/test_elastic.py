@@ -2,8 +2,9 @@
 
 Every launch is a real ``MPLauncher`` launch; the store is served by this process; a consumer
 launch is killed through the pids the roster records for its slots. Consumers raise on any
-byte that differs (``strict``), so a member that turned ready had a byte-exact sync. Nothing
-asserts a duration: every wait is bounded and only states are checked.
+byte that differs (``strict``), so a member that turned ready had a byte-exact sync. One drill
+(``_run_elastic_drill``) runs the same events over each CPU transport and, with ``nixl_rdt``,
+on a GPU. Nothing asserts a duration: every wait is bounded and only states are checked.
 """
 
 from __future__ import annotations
