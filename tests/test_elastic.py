@@ -2,12 +2,15 @@
 
 Every launch is a real ``MPLauncher`` launch; the store is served by this process; a consumer
 launch is killed through the pids the roster records for its slots. Consumers raise on any
-byte that differs (``strict``), so a member that turned ready had a byte-exact sync. Nothing
-asserts a duration: every wait is bounded and only states are checked.
+byte that differs (``strict``), so a member that turned ready had a byte-exact sync. One drill
+(``_run_elastic_drill``) runs the same events over each CPU transport and, with ``nixl_rdt``,
+on a GPU. Nothing asserts a duration: every wait is bounded and only states are checked.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,14 @@ from vllm_dist.implementations.coordinators.membership import MembershipConfig
 from vllm_dist.tasks.weight_transfer import TransferConfig
 from vllm_dist.tasks.weight_transfer.elastic import ProducerGoneError, watch_producers
 
-pytest.importorskip("nixl", reason="needs the nixl package (pip install 'vllm_dist[nixl]')")
+HAS_NIXL = importlib.util.find_spec("nixl") is not None
+NEEDS_NIXL = pytest.mark.skipif(
+    not HAS_NIXL, reason="needs the nixl package (pip install 'vllm_dist[nixl]')"
+)
+TRANSPORTS = [
+    pytest.param(CommunicatorType.NIXL_RDT, id="nixl_rdt", marks=NEEDS_NIXL),
+    pytest.param(CommunicatorType.TORCH_DISTRIBUTED, id="torch_distributed"),
+]
 
 MEMBERSHIP = MembershipConfig(heartbeat_interval_s=0.25, lease_s=2.0, timeout_s=60.0)
 STALL_S = 30.0  # far above the lease: a dead consumer is found by its lease, not a stall
@@ -73,111 +83,123 @@ def _wait_for(path: Path, driver: FleetDriver, seconds: float = 120.0) -> None:
     driver.fleet.wait_for(lambda v: path.exists(), seconds)
 
 
-def _run_elastic_drill(tmp_path: Path, device: str) -> None:
-    """Two replicas; one is killed (kill -9 of the launch) while the producers serve it; a new
-    launch takes its slot and two more join (four replicas); then one leaves cleanly and two
-    are killed between syncs (one replica)."""
-    driver = _driver(capacity=4, device=device)
-    hold, arm, gate = tmp_path / "held", tmp_path / "arm", tmp_path / "gate"
-    try:
-        driver.start("producers", "producer", 0, 2)
-        driver.start("a", "consumer", 0, 1)
-        driver.start("b", "consumer", 1, 1, hold_at=3, hold_file=str(hold), arm_file=str(arm))
-        for name, slot in (("c", 1), ("d", 2), ("e", 3)):  # started now, joining at the gate
-            driver.start(name, "consumer", slot, 1, gate_file=str(gate))
-        driver.wait_ready([0, 1])
-        assert len(driver.view().role("consumer")) == 2  # two replicas
-        arm.touch()  # both ready: b may hold now (not before a's launch came up)
-        _wait_for(hold, driver)  # b sits out a sync the producers are serving
-        old = set(driver.kill([1]))  # kill -9 mid-sync
-        driver.wait_gone([1])
-        gate.touch()  # c: a new launch in b's slot; d and e: two more replicas
-        view = driver.wait_ready([0, 1, 2, 3])
-        assert len(view.role("consumer")) == 4  # four replicas
-        assert not old & {m.pid for m in view.role("consumer")}  # new processes
-        driver.leave([1])
-        driver.kill([2, 3])  # kill -9 between syncs
-        view = driver.wait_gone([1, 2, 3])
-        assert {m.slot for m in view.role("consumer")} == {0}  # one replica
-        results = driver.stop()
-    finally:
-        gate.touch()  # a launch still at its gate goes on, and ends on the closed store
-        driver.close()
-    for name in "bde":
-        assert isinstance(results[name], Exception), results[name]
-    producers = results["producers"]
-    final = len(producers[0]["syncs"])
-    _check_served_throughout(results["a"], final)  # never stalled: every sync arrived
-    for r in _consumers(results["c"]):  # joined, then left cleanly between syncs
-        assert r["outputs"] and all(o["verified"] for o in r["outputs"])
-    lost = {m for e in _events(producers) for m in e["lost"]}
-    gone = lost | {m for e in _events(producers) for m in e["left"]}
-    assert "consumer/1#1" in lost  # b: given up on mid-sync
-    assert {"consumer/1#2", "consumer/2#1", "consumer/3#1"} <= gone
-
-
-@distributed_test(timeout=300)
-def test_consumer_launches_join_die_and_scale_between_syncs(tmp_path: Path) -> None:
-    """kill -9 of consumer launches mid-sync and between syncs, a new launch in a dead one's
-    slot, growth from two replicas to four and shrinkage to one: the replica that stays gets
-    every sync byte-exact, each new launch turns ready after a byte-exact first sync, and the
-    producers record who was lost mid-sync and who left."""
-    _run_elastic_drill(tmp_path, "cpu")
-
-
 def _store_keys(driver: FleetDriver) -> list[str]:
     """The store's keys at the quietest of a few looks (fewest keys), less the producers'
-    collective keys (one in flight at any time, deleted by its last reader)."""
+    collective keys (one in flight at any time, deleted by its last reader) and each slot's
+    incarnation counter and heartbeat (one per slot ever taken, bounded by the capacity)."""
     looks = []
     for _ in range(10):
-        looks.append(sorted(k for k in driver.fleet.store.list_keys() if "/coll/" not in k))
+        keys = driver.fleet.store.list_keys()
+        looks.append(sorted(k for k in keys if not re.search(r"/coll/|/inc/|/hb/", k)))
         time.sleep(0.1)
     return min(looks, key=len)
 
 
-@distributed_test(timeout=300)
-def test_torch_distributed_fleet_and_a_restarted_producer_launch(tmp_path: Path) -> None:
-    """torch_distributed in an elastic fleet (a gloo group per producer/consumer pair, built
-    over the fleet store at admission): a consumer launch killed between syncs takes only its
-    pairs down, a new launch in its slot gets new ones, and the store holds no more keys than
-    before (pair rendezvous keys and the dead one's messages are deleted). Then the producer
-    launch is killed: every consumer's sync fails naming a dead producer, its model torn;
-    started again (same weights, as from a checkpoint), every consumer joins the new producers,
-    its plan checked again, and syncs on byte-exact."""
-    driver = _driver(capacity=2, comm=CommunicatorType.TORCH_DISTRIBUTED, stall=8.0)
-    gate, gate2 = tmp_path / "gate", tmp_path / "gate2"
+def _wait_released(driver: FleetDriver, departed: set[str], timeout: float = 60.0) -> None:
+    """Wait until no store key names a member of ``departed`` (its messages, pair rendezvous
+    keys): what departed members held is released, not only their roster entries."""
+    pattern = re.compile("|".join(rf"{re.escape(m)}(?!\d)" for m in departed))
+    deadline = time.monotonic() + timeout
+    while stale := [k for k in driver.fleet.store.list_keys() if pattern.search(k)]:
+        assert time.monotonic() < deadline, stale
+        time.sleep(0.2)
+
+
+def _run_elastic_drill(
+    tmp_path: Path, device: str, comm: CommunicatorType = CommunicatorType.NIXL_RDT
+) -> None:
+    """The fleet's events in turn, each launch started ahead and let in at its gate:
+
+    two replicas (a, b); the producer launch killed (a and b fail naming it, torn and not
+    ready) and a new one started, which both join again; j killed (kill -9 of its launch) in its join, while the
+    producers admit it; b killed mid-sync; c takes b's slot (the store holds no more keys than
+    before); d takes j's slot and e a fourth (four replicas); c leaves cleanly and d, e are
+    killed between syncs (one replica); nothing left in the store names a departed member."""
+    driver = _driver(capacity=4, device=device, comm=comm)
+    f = {n: tmp_path / n for n in ("held_j", "held_b", "arm_b", "p2", "j", "c", "de")}
     try:
         driver.start("producers", "producer", 0, 2)
         driver.start("a", "consumer", 0, 1)
-        driver.start("b", "consumer", 1, 1)
-        driver.start("c", "consumer", 1, 1, gate_file=str(gate))  # joins at the gate
-        driver.start("producers2", "producer", 0, 2, gate_file=str(gate2))
+        driver.start(
+            "b", "consumer", 1, 1, hold_at=3, hold_file=str(f["held_b"]), arm_file=str(f["arm_b"])
+        )
+        driver.start("producers2", "producer", 0, 2, gate_file=str(f["p2"]))
+        driver.start(
+            "j", "consumer", 2, 1, hold_at="join", hold_file=str(f["held_j"]), gate_file=str(f["j"])
+        )
+        driver.start("c", "consumer", 1, 1, gate_file=str(f["c"]))
+        for name, slot in (("d", 2), ("e", 3)):
+            driver.start(name, "consumer", slot, 1, gate_file=str(f["de"]))
         driver.wait_ready([0, 1])
-        before = _store_keys(driver)
-        driver.kill([1])
-        driver.wait_gone([1])
-        gate.touch()
-        driver.wait_ready([1])
-        after = _store_keys(driver)
-        assert len(after) <= len(before), sorted(set(after) ^ set(before))
         driver.kill([0, 1], role="producer")
         driver.wait_gone([0, 1], role="producer")
-        gate2.touch()
+        # torn: no consumer is ready until a whole version from new producers
+        driver.fleet.wait_for(lambda v: not any(m.ready for m in v.role("consumer")), 30.0)
+        f["p2"].touch()  # the producer launch again, from the same weights (its checkpoint)
         driver.wait_joins([0, 1], joins=2)
+        before = _store_keys(driver)
+        f["j"].touch()  # j joins the roster, introduces itself, then holds at its plan
+        _wait_for(f["held_j"], driver)
+        assert [m.ready for m in driver.view().role("consumer") if m.slot == 2] == [False]
+        driver.kill([2])  # kill -9 in its join
+        driver.wait_gone([2])
+        f["arm_b"].touch()  # b sits out a sync the producers are serving
+        _wait_for(f["held_b"], driver)
+        old = set(driver.kill([1]))  # kill -9 mid-sync
+        driver.wait_gone([1])
+        f["c"].touch()  # a new launch in b's slot
+        view = driver.wait_ready([0, 1])
+        assert not old & {m.pid for m in view.role("consumer")}  # a new process
+        after = _store_keys(driver)
+        assert len(after) <= len(before), sorted(set(after) ^ set(before))
+        f["de"].touch()  # a new launch in j's slot, and a fourth replica
+        view = driver.wait_ready([0, 1, 2, 3])
+        assert len(view.role("consumer")) == 4  # four replicas
+        driver.leave([1])
+        driver.kill([2, 3])  # kill -9 between syncs
+        view = driver.wait_gone([1, 2, 3])
+        assert {m.slot for m in view.role("consumer")} == {0}  # one replica
+        departed = {"consumer/1#1", "consumer/2#1", "consumer/1#2", "consumer/2#2", "consumer/3#1"}
+        _wait_released(driver, departed | {"producer/0#1", "producer/1#1"})
         results = driver.stop()
     finally:
-        gate.touch()  # a launch still at its gate goes on, and ends on the closed store
-        gate2.touch()
+        for gate in ("p2", "j", "c", "de"):  # a launch still at its gate ends on the closed store
+            f[gate].touch()
         driver.close()
-    assert isinstance(results["b"], Exception) and isinstance(results["producers"], Exception)
+    for name in ("producers", "b", "j", "d", "e"):
+        assert isinstance(results[name], Exception), (name, results[name])
     final = len(results["producers2"][0]["syncs"])
-    for name in "ac":
-        _check_served_throughout(results[name], final)
-        for r in _consumers(results[name]):
-            assert r["joins"] == 2
-            # the dead producers are named (from the roster) and the model is marked torn
-            assert any("producer/" in e and "torn" in e for e in r["errors"]), r["errors"]
-    assert all(r["syncs"][0]["path"] == "send_recv" for r in _consumers(results["a"]))
+    _check_served_throughout(results["a"], final)  # never stalled: every sync arrived
+    for r in _consumers(results["a"]):
+        assert r["joins"] == 2  # once more, to the restarted producers
+        # the dead producers are named (from the roster) and the model is marked torn
+        assert any("producer/" in e and "torn" in e for e in r["errors"]), r["errors"]
+        if comm == CommunicatorType.TORCH_DISTRIBUTED:
+            assert r["syncs"][0]["path"] == "send_recv"
+    for r in _consumers(results["c"]):  # joined, then left cleanly between syncs
+        assert r["outputs"] and all(o["verified"] for o in r["outputs"])
+    for r in _consumers(results["a"]) + _consumers(results["c"]):
+        assert r["ready"] >= r["syncs"][0]["at"]  # ready only after its first complete sync
+    events = _events(results["producers2"])
+    lost = {m for e in events for m in e["lost"]}
+    assert "consumer/2#1" in {m for e in events for m in e["refused"]}  # j: dropped in its join
+    assert "consumer/1#1" in lost  # b: given up on mid-sync
+    gone = lost | {m for e in events for m in e["left"]}
+    assert {"consumer/1#2", "consumer/2#2", "consumer/3#1"} <= gone
+
+
+@pytest.mark.parametrize("comm", TRANSPORTS)
+@distributed_test(timeout=300)
+def test_consumer_launches_killed_at_each_phase_and_the_producers_restarted(
+    tmp_path: Path, comm: CommunicatorType
+) -> None:
+    """kill -9 of consumer launches in their join, mid-sync and between syncs, new launches in
+    their slots, growth from two replicas to four and shrinkage to one, and the producer launch
+    killed and started again, over each CPU transport (``torch_distributed`` is a gloo group per
+    producer/consumer pair): the replica that stays gets every sync byte-exact, each new launch
+    turns ready after a byte-exact first sync, the producers record who was refused, lost and
+    left, and the store keeps nothing of the departed."""
+    _run_elastic_drill(tmp_path, "cpu", comm)
 
 
 class _Waits:
@@ -215,6 +237,7 @@ def test_a_consumer_wait_on_a_dead_producer_fails_through_the_roster() -> None:
 
 
 @pytest.mark.gpu
+@NEEDS_NIXL
 @pytest.mark.skipif(cuda_device_count() < 1, reason="needs 1 CUDA device")
 @distributed_test(gpus=1, timeout=300)
 def test_consumer_launch_killed_and_replaced_on_the_gpu(tmp_path: Path) -> None:

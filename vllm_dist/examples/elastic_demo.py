@@ -14,6 +14,7 @@ import secrets
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,14 @@ from vllm_dist.tasks.weight_transfer.task import ConsumerSpec
 class ElasticLlamaTask(ElasticTransferTask, LlamaTransferTask):
     """The demo Llama over an elastic fleet (see ``ElasticTransferTask`` for the keywords).
 
-    Also ``gate_file`` (see ``run``) and ``hold_at`` / ``hold_file`` / ``arm_file`` (fault drills): a consumer stops before
-    sync ``hold_at`` (0-based) or a later one, once ``arm_file`` exists (when given), touching
-    ``hold_file``, and waits there for good, so the producers, already serving that sync, find
-    it gone mid-sync once it is killed. ``strict``: a consumer whose
-    parameters do not match raises (so ``ready`` implies a byte-exact sync).
+    Also ``gate_file`` (see ``run``) and ``hold_at`` / ``hold_file`` / ``arm_file`` (fault drills):
+    once ``arm_file`` exists (when given), a consumer stops, touches ``hold_file`` and waits
+    there for good, so that a kill finds it in a known phase. ``hold_at=k`` stops it before sync
+    ``k`` (0-based) or a later one: the producers, already serving that sync, find it gone
+    mid-sync. ``hold_at="join"`` stops it in its join, at its first route lookup (its plan):
+    it is on the roster and introduced, the producers sent their admit and wait for its plan.
+    ``strict``: a consumer whose parameters do not match raises (so ``ready`` implies a
+    byte-exact sync).
     """
 
     def run(self, *, gate_file: str | None = None, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
@@ -50,21 +54,31 @@ class ElasticLlamaTask(ElasticTransferTask, LlamaTransferTask):
             time.sleep(0.05)
         return super().run(**kwargs)
 
+    def make_consumer(self, consumer_idx: int, num_consumers: int, **kw: Any) -> ConsumerSpec:  # type: ignore[override]
+        """``LlamaTransferTask.make_consumer``; with ``hold_at="join"`` its route holds (see the
+        class): ``join`` looks routes up only once the producers are admitting it."""
+        spec = super().make_consumer(consumer_idx, num_consumers, **kw)
+        if kw.get("hold_at") != "join":
+            return spec
+        route = spec.route
+
+        def held_route(name: str) -> Any:
+            _hold_if_armed(kw.get("hold_file"), kw.get("arm_file"))
+            return route(name)
+
+        return replace(spec, route=held_route)
+
     def before_consumer_sync(
         self,
         step: int,
         spec: ConsumerSpec,
-        hold_at: int | None = None,
+        hold_at: int | str | None = None,
         hold_file: str | None = None,
         arm_file: str | None = None,
         **kw: Any,
     ) -> None:
-        armed = arm_file is None or Path(arm_file).exists()
-        if hold_at is not None and step >= hold_at and armed:
-            if hold_file:
-                Path(hold_file).touch()
-            while True:
-                time.sleep(60)
+        if isinstance(hold_at, int) and step >= hold_at:
+            _hold_if_armed(hold_file, arm_file)
 
     def after_consumer_sync(
         self,
@@ -79,6 +93,17 @@ class ElasticLlamaTask(ElasticTransferTask, LlamaTransferTask):
         if strict and out.get("verified") is False:
             raise AssertionError(f"sync {step + 1}: parameters differ: {out}")
         return out
+
+
+def _hold_if_armed(hold_file: str | None, arm_file: str | None) -> None:
+    """Once ``arm_file`` exists (or when none is given): touch ``hold_file`` and wait for good
+    (until the drill kills this process)."""
+    if arm_file is not None and not Path(arm_file).exists():
+        return
+    if hold_file:
+        Path(hold_file).touch()
+    while True:
+        time.sleep(60)
 
 
 class FleetDriver:
