@@ -38,7 +38,6 @@ from vllm_dist import CommunicatorType  # noqa: E402
 from vllm_dist.examples.elastic_demo import FleetDriver  # noqa: E402
 from vllm_dist.examples.elastic_task import ElasticTransferTask  # noqa: E402
 from vllm_dist.examples.llama_tp import fill_weights, replicated, tensor_digest  # noqa: E402
-from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env  # noqa: E402
 from vllm_dist.implementations.coordinators.membership import MembershipConfig  # noqa: E402
 from vllm_dist.serialization import register_by_value  # noqa: E402
 from vllm_dist.tasks.weight_transfer import (  # noqa: E402
@@ -115,11 +114,6 @@ def run_case(
     name: str, shapes: Shapes, device: str, comm: str, steady_s: float, out_dir: str
 ) -> dict[str, Any]:
     """One fleet through the events of the module docstring; its rows."""
-    nccl = comm == "torch_distributed" and device == "cuda"  # ranks share the GPU as hosts
-
-    def env(launch: str) -> dict[str, str] | None:
-        return shared_gpu_nccl_env(launch) if nccl else None
-
     check_file = os.path.join(out_dir, f"elastic-{name}-{os.getpid()}.check")
     driver = FleetDriver(
         num_producers=2,
@@ -127,6 +121,7 @@ def run_case(
         membership=MEMBERSHIP,
         task=BenchTask,
         launch_timeout=3600,
+        share_gpu_nccl=comm == "torch_distributed" and device == "cuda",
         communicator_type=CommunicatorType(comm),
         communicator_options={"timeout": 300.0},
         device=device,
@@ -138,9 +133,9 @@ def run_case(
     marks: dict[str, tuple[float, float]] = {}
     joins: dict[str, float] = {}
     try:
-        driver.start("producers", "producer", 0, 2, env=env("producers"))
-        driver.start("c0", "consumer", 0, 1, env=env("c0"))
-        driver.start("c1", "consumer", 1, 1, env=env("c1"))
+        driver.start("producers", "producer", 0, 2)
+        driver.start("c0", "consumer", 0, 1)
+        driver.start("c1", "consumer", 1, 1)
         driver.wait_ready([0, 1], 900)
         t = time.time()
         time.sleep(steady_s)
@@ -151,7 +146,7 @@ def run_case(
                 driver.kill([slot])
                 driver.wait_gone([slot], 600)
             else:
-                driver.start(launch, "consumer", slot, 1, env=env(launch))
+                driver.start(launch, "consumer", slot, 1)
                 driver.wait_ready([slot], 900)
                 joins[event] = time.time() - driver.started[launch]
             marks[event] = (t, time.time())

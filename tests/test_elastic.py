@@ -49,6 +49,7 @@ def _driver(
     return FleetDriver(
         num_producers=2,
         capacity=capacity,
+        share_gpu_nccl=device == "cuda" and comm == CommunicatorType.TORCH_DISTRIBUTED,
         membership=MEMBERSHIP,
         communicator_type=comm,
         communicator_options={"timeout": stall},
@@ -237,9 +238,12 @@ def test_a_consumer_wait_on_a_dead_producer_fails_through_the_roster() -> None:
 
 
 @pytest.mark.gpu
-@NEEDS_NIXL
+@pytest.mark.parametrize("comm", TRANSPORTS)
 @pytest.mark.skipif(cuda_device_count() < 1, reason="needs 1 CUDA device")
 @distributed_test(gpus=1, timeout=300)
-def test_consumer_launch_killed_and_replaced_on_the_gpu(tmp_path: Path) -> None:
-    """The same drill with every worker's tensors in VRAM of one GPU."""
-    _run_elastic_drill(tmp_path, "cuda")
+def test_consumer_launch_killed_and_replaced_on_the_gpu(
+    tmp_path: Path, comm: CommunicatorType
+) -> None:
+    """The same drill with every worker's tensors in VRAM of one GPU; ``torch_distributed`` is
+    a NCCL communicator per pair there (the ranks pass for hosts of their own to NCCL)."""
+    _run_elastic_drill(tmp_path, "cuda", comm)

@@ -26,6 +26,7 @@ from vllm_dist.examples.elastic_task import (
     request_stop,
 )
 from vllm_dist.examples.weight_sync_demo import LlamaTransferTask
+from vllm_dist.implementations.communicators.common import shared_gpu_nccl_env
 from vllm_dist.implementations.coordinators.auth_store import AuthStoreServer
 from vllm_dist.implementations.coordinators.membership import Fleet, FleetView, MembershipConfig
 from vllm_dist.tasks.weight_transfer.task import ConsumerSpec
@@ -111,6 +112,8 @@ class FleetDriver:
 
     ``launch_kwargs`` reach every launch (``communicator_type``, ``config``, task keywords);
     ``num_producers``/``capacity`` size the fleet; ``membership`` its leases.
+    ``share_gpu_nccl``: every launch's ranks pass for hosts of their own to NCCL
+    (``shared_gpu_nccl_env``), so NCCL pairs form between processes on one GPU.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class FleetDriver:
         membership: MembershipConfig,
         task: type[ElasticTransferTask] = ElasticLlamaTask,
         launch_timeout: float = 300.0,
+        share_gpu_nccl: bool = False,
         **launch_kwargs: Any,
     ) -> None:
         self.secret = secrets.token_bytes(32)
@@ -131,6 +135,7 @@ class FleetDriver:
         self.capacity = capacity
         self.task = task
         self.launch_timeout = launch_timeout
+        self.share_gpu_nccl = share_gpu_nccl
         self.launch_kwargs = launch_kwargs
         self.threads: dict[str, threading.Thread] = {}
         self.results: dict[str, Any] = {}
@@ -156,6 +161,8 @@ class FleetDriver:
         from vllm_dist import MPLauncher
 
         kwargs = {**self.launch_kwargs, **kw, "elastic": self.spec(role, slot)}
+        if self.share_gpu_nccl:
+            env = {**shared_gpu_nccl_env(name), **(env or {})}
 
         def run() -> None:
             try:
