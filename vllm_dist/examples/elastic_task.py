@@ -183,8 +183,10 @@ class ElasticTransferTask(WeightTransferTask):
             else:
                 out = self._consume(member, coord, config, **kwargs)
         finally:
-            self.communicator.close()
+            # off the roster first: producers waiting on this member give up on it at once,
+            # not after its data plane is torn down (a NCCL pair's abort may take seconds)
             member.leave()
+            self.communicator.close()
         return {**out, "slot": slot, "member": member.id, "started": started}
 
     def _produce(
