@@ -340,6 +340,8 @@ class _Run:
             out_r, out_w = ctx.Pipe(duplex=False)
             err_r, err_w = ctx.Pipe(duplex=False)
             sinks = {s: self._sinks(info.rank, s) for s in output.STREAMS}
+        elif self._base_env is not None:
+            out_w, err_w = _our_stdio()  # a forkserver's own are from when it started
         env = {
             **self._launcher._env,
             PROGRESS_FILE_ENV: self._progress(info.rank),
@@ -680,6 +682,15 @@ def _apply_thread_count() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
+
+
+def _our_stdio() -> tuple[mpc.Connection, mpc.Connection] | tuple[None, None]:
+    """Copies of this process's fds 1 and 2, to become a forkserver worker's own (as a spawned
+    worker inherits them); (None, None) when one is closed."""
+    try:
+        return mpc.Connection(os.dup(1)), mpc.Connection(os.dup(2))
+    except OSError:
+        return None, None
 
 
 def start_forkserver() -> int:
