@@ -4,6 +4,11 @@ Test modules are not importable in a Ray worker (nor in a spawned worker started
 directory), so every collected test module is registered by value, the way a user registers a
 module created at run time.
 
+MP launches fork their workers from one forkserver that imported torch and vllm_dist once for the
+session, instead of starting an interpreter per worker that imports them (``VLLM_DIST_START_METHOD``,
+inherited by the CLI and script subprocesses the tests start); tests of spawn itself pass
+``start_method="spawn"``. ``VLLM_DIST_START_METHOD=spawn pytest`` runs them all with spawn.
+
 Ray tests share one local Ray started once per session (``ray_session``), on loopback, without a
 dashboard, with its temp dir under the session's tmp dir; the launchers see ``ray.is_initialized()``
 and leave it running.
@@ -20,6 +25,7 @@ from typing import Any
 import pytest
 
 from vllm_dist import MPLauncher
+from vllm_dist.implementations.launchers.mp import START_METHOD_ENV, start_forkserver
 from vllm_dist.interfaces import Launcher
 from vllm_dist.serialization import register_by_value
 
@@ -27,6 +33,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Ray replaces 127.0.0.1 with the routable address unless it believes clusters are off; a
 # single-node test cluster needs no routable address, and the tests stay on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+if os.environ.setdefault(START_METHOD_ENV, "forkserver") == "forkserver":
+    start_forkserver()  # now, in the session's own environment; it imports torch meanwhile
 
 LAUNCH_TIMEOUT = 90.0
 RAY_NUM_CPUS = 4  # tests use up to 4 ranks of 1 CPU; Ray only counts them, the machine has 2

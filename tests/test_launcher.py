@@ -30,6 +30,7 @@ from vllm_dist import (
     get_coordinator_class,
 )
 from vllm_dist.implementations.launchers.common import _bindable, find_free_port
+from vllm_dist.implementations.launchers.mp import START_METHOD_ENV
 
 
 class EnvTask(DistributedTask):
@@ -44,6 +45,7 @@ class EnvTask(DistributedTask):
             "VLLM_DIST_LAUNCH_ID",
             "VD_TEST_MINE",
             "VD_TEST_JSON",
+            "VD_TEST_LATE",
         )
         return {
             "env": {k: os.environ.get(k) for k in keys},
@@ -185,11 +187,14 @@ def test_a_worker_of_another_launch_on_the_same_port_cannot_take_a_place() -> No
 
 
 @distributed_test()
-def test_mp_env_names_each_workers_rank() -> None:
+def test_mp_env_names_each_workers_rank(monkeypatch) -> None:
+    # set after the session's forkserver started: its workers see the parent's env as it is now
+    monkeypatch.setenv("VD_TEST_LATE", "late")
     env = {"VD_TEST_MINE": "host-{rank}/{local_rank}", "VD_TEST_JSON": '{"a": {"b": 1}}'}
     results = MPLauncher(3, timeout=60, env=env).launch(task_type=EnvTask)
     assert [r["env"]["VD_TEST_MINE"] for r in results] == ["host-0/0", "host-1/1", "host-2/2"]
     assert {r["env"]["VD_TEST_JSON"] for r in results} == {'{"a": {"b": 1}}'}
+    assert {r["env"]["VD_TEST_LATE"] for r in results} == {"late"}
 
 
 class ThreadsTask(DistributedTask):
@@ -296,13 +301,16 @@ _PARENT_SCRIPT = _SLEEP_TASK + textwrap.dedent(
 )
 
 
-def _run_script(tmp_path, text: str) -> subprocess.Popen[bytes]:
-    """``text`` run as a program with ``tmp_path`` as its argument, vllm_dist importable."""
+def _run_script(tmp_path, text: str, start_method: str | None = None) -> subprocess.Popen[bytes]:
+    """``text`` run as a program with ``tmp_path`` as its argument, vllm_dist importable; its
+    launches use ``start_method`` (default: the session's)."""
     script = tmp_path / "parent.py"
     script.write_text(text)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # importable uninstalled
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path}
+    if start_method is not None:
+        env[START_METHOD_ENV] = start_method
     return subprocess.Popen(
         [sys.executable, str(script), str(tmp_path)],
         env=env,
@@ -312,8 +320,10 @@ def _run_script(tmp_path, text: str) -> subprocess.Popen[bytes]:
     )
 
 
-def _start_parent(tmp_path) -> tuple[subprocess.Popen[bytes], set[int]]:
-    parent = _run_script(tmp_path, _PARENT_SCRIPT)
+def _start_parent(
+    tmp_path, start_method: str | None = None
+) -> tuple[subprocess.Popen[bytes], set[int]]:
+    parent = _run_script(tmp_path, _PARENT_SCRIPT, start_method)
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("*.pid"))) < 2:
         assert time.monotonic() < deadline, "workers did not start"
@@ -351,21 +361,32 @@ def test_interpreter_exit_stops_a_launch_left_on_a_daemon_thread(tmp_path) -> No
 
 
 @distributed_test(timeout=120)
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
-def test_workers_die_with_the_parent(tmp_path, sig: int) -> None:
-    parent, workers = _start_parent(tmp_path)
+@pytest.mark.parametrize(
+    ("sig", "start_method"),
+    [
+        (signal.SIGKILL, "spawn"),  # the default: the parent is the workers' own
+        (signal.SIGKILL, None),  # the session's forkserver: it must end with the parent
+        (signal.SIGINT, None),
+        (signal.SIGTERM, None),
+    ],
+)
+def test_workers_die_with_the_parent(tmp_path, sig: int, start_method: str | None) -> None:
+    parent, workers = _start_parent(tmp_path, start_method)
     parent.send_signal(sig)
     parent.wait(timeout=30)
     assert not _wait_gone(workers, timeout=10), f"workers outlived a parent killed by {sig!r}"
 
 
-def test_launcher_rejects_bad_arguments() -> None:
+def test_launcher_rejects_bad_arguments(monkeypatch) -> None:
     with pytest.raises(ValueError, match="n_tasks"):
         MPLauncher(0)
     with pytest.raises(ValueError, match="start_method"):
         MPLauncher(1, start_method="teleport")
     with pytest.raises(TypeError, match="DistributedTask"):
         MPLauncher(1).launch(task_type=int)
+    monkeypatch.setenv(START_METHOD_ENV, "teleport")
+    with pytest.raises(ValueError, match=f"{START_METHOD_ENV}='teleport'"):
+        MPLauncher(1)
 
 
 class RanksTask(GlobalCoordinatorDistributedTask):

@@ -76,6 +76,21 @@ from vllm_dist.interfaces.launcher import PROGRESS_FILE_ENV, new_launch_id, new_
 
 _PR_SET_PDEATHSIG = 1
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+START_METHOD_ENV = "VLLM_DIST_START_METHOD"  # the start method when MPLauncher is given none
+# what a forkserver imports once, so that every worker it forks starts with them: the user's
+# main module (multiprocessing's default), torch, and the launcher and tasks of vllm_dist
+FORKSERVER_PRELOAD = (
+    "__main__",
+    "torch",
+    "torch.distributed",
+    "vllm_dist.implementations.launchers.mp",
+    "vllm_dist.implementations.coordinators.torch_distributed",
+    "vllm_dist.implementations.coordinators.store_coordinator",
+    "vllm_dist.implementations.communicators.torch_distributed",
+    "vllm_dist.implementations.communicators.pair_gloo",
+    "vllm_dist.tasks.all_reduce",
+    "vllm_dist.tasks.weight_transfer",
+)
 logger = log.get_logger(__name__)
 
 
@@ -84,7 +99,11 @@ class MPLauncher(Launcher):
 
     Args:
         n_tasks: number of ranks.
-        start_method: ``"spawn"`` (default; safe with CUDA), ``"forkserver"`` or ``"fork"``.
+        start_method: ``"spawn"`` (safe with CUDA), ``"forkserver"`` or ``"fork"``; None =
+            ``$VLLM_DIST_START_METHOD``, else ``"spawn"``. A forkserver (``start_forkserver``)
+            imports torch once and forks each worker from it, saving every worker the import;
+            its workers see the parent's environment as it is at the launch, but modules it
+            imported read theirs when it started (the first forkserver launch).
         timeout: seconds one try of a launch may take before every worker is stopped (each
             restart gets its own); None = no limit.
         master_addr: address of the rendezvous (loopback by default).
@@ -110,7 +129,7 @@ class MPLauncher(Launcher):
         self,
         n_tasks: int,
         *,
-        start_method: str = "spawn",
+        start_method: str | None = None,
         timeout: float | None = None,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
@@ -123,10 +142,14 @@ class MPLauncher(Launcher):
         console_ranks: Sequence[int] | None = None,
     ) -> None:
         self._n_tasks = check_n_tasks(n_tasks)
+        if start_method is None:
+            start_method = os.environ.get(START_METHOD_ENV) or "spawn"
+            where = f"{START_METHOD_ENV}={start_method!r}"
+        else:
+            where = f"start_method {start_method!r}"
         if start_method not in mp.get_all_start_methods():
             raise ValueError(
-                f"start_method {start_method!r} is not available here; "
-                f"choose one of {mp.get_all_start_methods()}"
+                f"{where} is not available here; choose one of {mp.get_all_start_methods()}"
             )
         self._ctx = mp.get_context(start_method)
         self._timeout = check_seconds("timeout", timeout)
@@ -244,10 +267,15 @@ class _Run:
         self._stopped = False
         self._dir = tempfile.mkdtemp(prefix="vllm_dist-")  # progress records and stack dumps
         self._exit_codes: list[int | None] = []  # as the workers ended by themselves
+        self._parent_pid = os.getpid()  # the workers' parent: us, or our forkserver
+        self._base_env: dict[str, str] | None = None
 
     def start(self) -> None:
         _stop_at_exit(self)
         n = self._launcher.n_tasks
+        if self._launcher._ctx.get_start_method() == "forkserver":
+            self._parent_pid = start_forkserver()
+            self._base_env = dict(os.environ)  # the server's own is from when it started
         launch_id, secret = new_launch_id(), new_secret()  # the secret travels on our own pipe
         for rank in range(n):
             info = WorkerInfo(
@@ -312,6 +340,8 @@ class _Run:
             out_r, out_w = ctx.Pipe(duplex=False)
             err_r, err_w = ctx.Pipe(duplex=False)
             sinks = {s: self._sinks(info.rank, s) for s in output.STREAMS}
+        elif self._base_env is not None:
+            out_w, err_w = _our_stdio()  # a forkserver's own are from when it started
         env = {
             **self._launcher._env,
             PROGRESS_FILE_ENV: self._progress(info.rank),
@@ -320,8 +350,8 @@ class _Run:
         files = _WorkerFiles(stacks=self._file(info.rank, "stacks"))
         proc = ctx.Process(  # type: ignore[attr-defined]
             target=_worker_main,
-            args=(self._packed, info, env, os.getpid(), result_w, out_w, err_w, files),
-            kwargs={"rank_prefix": not self._output.prefix},
+            args=(self._packed, info, env, self._parent_pid, result_w, out_w, err_w, files),
+            kwargs={"rank_prefix": not self._output.prefix, "base_env": self._base_env},
             name=f"vllm_dist-rank{info.rank}",
             daemon=False,
         )
@@ -575,11 +605,18 @@ def _worker_main(
     err_conn: mpc.Connection | None,
     files: _WorkerFiles,
     rank_prefix: bool = False,
+    base_env: Mapping[str, str] | None = None,
 ) -> None:
     """Entry point of a worker process; ends the process once its outcome is delivered.
+    ``parent_pid``: the process that started this one (the launcher's, or its forkserver's).
     ``rank_prefix``: the worker's output reaches the console unprefixed, so its log records
-    carry the rank themselves."""
+    carry the rank themselves. ``base_env``: the environment to start from instead of the
+    inherited one (a forkserver's is from when it started)."""
+    _leave_forkserver()
     _die_with_parent(parent_pid)
+    if base_env is not None:
+        os.environ.clear()
+        os.environ.update(base_env)
     os.setpgid(0, 0)
     _watch_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
@@ -645,6 +682,40 @@ def _apply_thread_count() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
+
+
+def _our_stdio() -> tuple[mpc.Connection, mpc.Connection] | tuple[None, None]:
+    """Copies of this process's fds 1 and 2, to become a forkserver worker's own (as a spawned
+    worker inherits them); (None, None) when one is closed."""
+    try:
+        return mpc.Connection(os.dup(1)), mpc.Connection(os.dup(2))
+    except OSError:
+        return None, None
+
+
+def start_forkserver() -> int:
+    """Start multiprocessing's forkserver with ``FORKSERVER_PRELOAD`` imported, unless it runs
+    already, and return its pid. It ends when this process ends; CUDA is never initialised in it.
+    """
+    from multiprocessing import forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    forkserver.ensure_running()
+    server: Any = forkserver._forkserver  # private: its pid has no public access
+    return int(server._forkserver_pid)
+
+
+def _leave_forkserver() -> None:
+    """In a worker forked by a forkserver: close the inherited end of the pipe that keeps the
+    server running while its clients live (kept for starts of our own), so that the server, and
+    with it this worker (``PR_SET_PDEATHSIG``), ends when the launching process ends."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # private: its fields have no public access
+    if server.get_inherited_fds() is None or server._forkserver_alive_fd is None:
+        return  # not started by a forkserver
+    os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = None
 
 
 def _die_with_parent(parent_pid: int) -> None:
