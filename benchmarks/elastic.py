@@ -223,7 +223,7 @@ def main() -> None:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     payload: dict[str, Any] = {"device": args.device, "comm": args.comm, "cases": {}}
-    table = []
+    table: list[list[Any]] = []
     for name in [c for c in args.cases.split(",") if c]:
         case = run_case(name, cases[name], args.device, args.comm, args.steady_s, out_dir)
         payload["cases"][name] = case
@@ -246,12 +246,21 @@ def main() -> None:
             print(
                 f"{name}: launches that ended in an error (the killed one is expected): {case['errors']}"
             )
-    print_table(
-        f"Elastic fleet, 2 producers, {args.device}, {args.comm} (recover: to ready / to dropped)",
-        ["case", "event", "recover s", "others median ms", "others max ms", "syncs", "verified"],
-        table,
-    )
-    write_outputs(args.out, payload, None)
+        # after every case: a later case that runs out of time loses only its own rows
+        print_table(
+            f"Elastic fleet, 2 producers, {args.device}, {args.comm} (recover: to ready / to dropped)",
+            [
+                "case",
+                "event",
+                "recover s",
+                "others median ms",
+                "others max ms",
+                "syncs",
+                "verified",
+            ],
+            table,
+        )
+        write_outputs(args.out, payload, None)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from the full model, over several syncs with changing weights.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 import threading
@@ -51,6 +52,7 @@ from vllm_dist.tasks.weight_transfer import (
     FreeBarrier,
     JoinSpec,
     LayoutConfig,
+    PlanMismatchError,
     ProducerFacts,
     RdtRouter,
     Request,
@@ -1035,8 +1037,16 @@ class RejoinTask(GlobalCoordinatorDistributedTask):
     that holds weights checks them byte for byte after every sync it takes part in."""
 
     def post_init_distributed(
-        self, shapes: Any = None, config: Any = None, bad_restart: bool = False, **_: Any
+        self,
+        shapes: Any = None,
+        config: Any = None,
+        bad_restart: bool = False,
+        ahead: str = "",
+        **_: Any,
     ) -> Any:
+        """``ahead``: "" (admit ships the facts), "facts" (each joining consumer plans ahead
+        against facts the producer sent it, ``prepare_join``) or "stale" (consumer 0's restart
+        plans against facts in another order)."""
         fleet = Fleet.split(1, 2)
         rank = self.coordinator.get_rank()
         coord, comm = self.coordinator, self.communicator
@@ -1047,15 +1057,20 @@ class RejoinTask(GlobalCoordinatorDistributedTask):
                 coord, comm, fleet=fleet, source=StateDictSource(state), config=config
             )
             producer.setup()
+            producer.ship_facts = not ahead
             try:
                 for step in range(4):
                     if step == 1:
+                        if ahead:
+                            coord.send_object(producer.producer_facts, 2)
                         producer.admit(1)  # the late consumer
                     if step == 2:
+                        if ahead:
+                            coord.send_object(producer.producer_facts, 1)
                         try:
                             producer.admit(0)  # the restarted one
-                        except WeightTransferSetupError as exc:
-                            if not bad_restart:
+                        except (WeightTransferSetupError, PlanMismatchError) as exc:
+                            if not (bad_restart or ahead == "stale"):
                                 raise
                             refused = str(exc)
                     fill_weights(state, 0, step)
@@ -1088,13 +1103,21 @@ class RejoinTask(GlobalCoordinatorDistributedTask):
                 if cid == 1 and step == 0:
                     continue  # not in the fleet yet: sync 0 goes to consumer 0 alone
                 if cid == 1 and step == 1:
+                    if ahead:
+                        consumer.prepare_join(coord.recv_object(0))
                     consumer.join()
                 if cid == 0 and step == 2:
                     consumer.close()
                     consumer, params, routes = engine(broken=bad_restart)
+                    if ahead:
+                        facts = coord.recv_object(0)
+                        if ahead == "stale":  # the same weights, another model order
+                            meta = tuple(reversed(facts[0].metadata))
+                            facts = [dataclasses.replace(facts[0], metadata=meta)]
+                        consumer.prepare_join(facts)
                     try:
                         consumer.join()
-                    except KeyError as exc:
+                    except (KeyError, WeightTransferSetupError) as exc:
                         checked.append((step, f"refused: {exc}"))
                         break
                 consumer.sync()
@@ -1132,6 +1155,31 @@ def test_consumer_joins_late_and_restarts(shapes: dict[str, Any], comm: str, dev
     assert results[0] == ""
     assert results[1] == [(0, True), (1, True), (2, True), (3, True)]
     assert results[2] == [(1, True), (2, True), (3, True)]
+
+
+@pytest.mark.parametrize("ahead", ["facts", "stale"])
+@distributed_test(timeout=120)
+def test_a_consumer_that_planned_ahead_joins_and_a_stale_plan_is_refused(
+    shapes: dict[str, Any], ahead: str
+) -> None:
+    """``prepare_join``: consumers that bake and plan before the producers' ``admit`` (which
+    then ships no facts) join and sync byte-exact; a plan made against facts that differ from
+    the producer's is refused at admission, and the other consumer never notices."""
+    results = _launch(
+        3,
+        task=RejoinTask,
+        shapes=shapes,
+        ahead=ahead,
+        config=TransferConfig(workers_per_replica=2, direct_bytes=4096),
+    )
+    assert results[2] == [(1, True), (2, True), (3, True)]  # joined after planning ahead
+    if ahead == "facts":
+        assert results[0] == ""
+        assert results[1] == [(0, True), (1, True), (2, True), (3, True)]
+    else:
+        assert "different plans" in results[0], results[0]
+        assert results[1][:2] == [(0, True), (1, True)]
+        assert results[1][2][0] == 2 and "refused" in results[1][2][1], results[1]
 
 
 @distributed_test(timeout=120)

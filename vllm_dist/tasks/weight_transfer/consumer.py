@@ -40,7 +40,7 @@ from vllm_dist.tasks.weight_transfer.config import (
     WeightTransferSetupError,
 )
 from vllm_dist.tasks.weight_transfer.exposure import Exposures, gather_parameters
-from vllm_dist.tasks.weight_transfer.index import ModelIndex
+from vllm_dist.tasks.weight_transfer.index import ModelIndex, ProducerFacts
 from vllm_dist.tasks.weight_transfer.messages import AdmitMessage, PlanMessage, ReserveMessage
 from vllm_dist.tasks.weight_transfer.ops import (
     Copy,
@@ -155,6 +155,8 @@ class WeightConsumer(EngineBase):
         self._replayed = False
         self._exposures = None if self._one_sided is None else Exposures(self._one_sided)
         self._path: ConsumerPath | None = None  # chosen at set-up, once the tables are built
+        # prepare_join's index and outcome, used by the next join() whose admit carries no facts
+        self._prepared: tuple[ModelIndex, BaseException | None] | None = None
 
     @gc_paused
     def setup(self, *, defer: bool = False) -> None:
@@ -207,12 +209,18 @@ class WeightConsumer(EngineBase):
             if not (isinstance(msg, AdmitMessage) and msg.producer_id == p):
                 raise RuntimeError(f"expected admit() from producer {p}, got {msg!r:.80}")
         self._syncs = hello[0].syncs
-        facts = hello[0].facts
-        if facts is None:
-            raise RuntimeError("admit() from producer 0 came without the producers' facts")
-        index = self._build_index(facts)
-        self._phase("index")
-        error = self._prepare(index)
+        facts, prepared, self._prepared = hello[0].facts, self._prepared, None
+        if facts is not None:
+            index = self._build_index(facts)
+            self._phase("index")
+            error = self._prepare(index)
+        elif prepared is not None:
+            index, error = prepared
+        else:
+            raise RuntimeError(
+                "admit() from producer 0 came without the producers' facts, and this consumer "
+                "prepared none (prepare_join)"
+            )
         self._send_plans(index, error)
         verdicts = [self.coordinator.recv_object(r) for r in prods]
         refused = [f"producer {p}: {v}" for p, v in enumerate(verdicts) if v is not None]
@@ -242,6 +250,16 @@ class WeightConsumer(EngineBase):
             path.pin()
         self._phase("rings")
         self.setup_seconds = time.perf_counter() - start
+
+    def prepare_join(self, facts: list[ProducerFacts]) -> None:
+        """Bake and plan against ``facts`` (the producers', obtained elsewhere) before
+        ``join()``, so that the producers in ``admit`` (which then send no facts) wait only
+        for the plan to travel and be checked, not for it to be made. The producers check the
+        plan as always: one made from facts that differ from theirs is refused."""
+        self._phase_start = time.perf_counter()
+        index = self._build_index(facts)
+        self._phase("index")
+        self._prepared = (index, self._prepare(index))
 
     def _prepare(self, index: ModelIndex) -> BaseException | None:
         """Bake and plan; returns the error instead of raising (the fleet must hear of it)."""

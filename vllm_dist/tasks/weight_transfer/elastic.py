@@ -46,6 +46,7 @@ FleetView = Any
 PEER_CHANNEL = "peer"  # data-plane peer introductions (agent metadata)
 ENGINE_CHANNEL = "wt"  # the engines' control messages (admit, plans, verdicts, descriptors)
 VIEW_CACHE_S = 0.2  # how stale a roster read may be when asking whether a peer is gone
+FACTS_NAME = "wt/facts"  # producer 0 publishes (its member id, the producers' facts) under it
 
 
 class SlotVacantError(RuntimeError):
@@ -232,6 +233,10 @@ class ElasticProducer(WeightProducer):
         start = self._phase_start = time.perf_counter()
         facts = ProducerFacts(metadata=tuple(self.source.metadata()), held=self.source.held_names())
         self._build_index(producers.all_gather_object(facts))
+        if self.producer_id == 0:  # newcomers plan against these before they are admitted
+            member = self.coordinator._require()
+            member.publish(FACTS_NAME, (member.id, self.producer_facts))
+        self.ship_facts = False
         self._build_schedule()
         if self._read is not None:
             self._read.gone = self.coordinator.gone
@@ -350,6 +355,9 @@ class ElasticConsumer(WeightConsumer):
                 f"the fleet has {len(producers)} producers live, the deployment names "
                 f"{coord.num_producers}: wait for every producer before joining"
             )
+        # planned ahead against producer 0's published facts: admission then holds the
+        # producers (and so the other consumers' next sync) only while the plan is checked
+        self.prepare_join(published_facts(member, producers[0].id, coord.timeout))
         peers = _peers_of(self)
         for m in producers:
             coord.bind(m.slot, m.id)
@@ -422,6 +430,26 @@ def watch_producers(cls: type[Any], coordinator: SlotCoordinator) -> type[Any]:
 
     WatchedProducers.__name__ = WatchedProducers.__qualname__ = cls.__name__
     return WatchedProducers
+
+
+def published_facts(member: Member, producer0: str, timeout: float) -> list[ProducerFacts]:
+    """The producers' facts as producer 0 (member ``producer0``) published them, waiting for
+    its publication (an earlier producer 0's is skipped) up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            who, facts = member.read(FACTS_NAME, max(deadline - time.monotonic(), 0.0))
+        except Exception:  # none yet, or a dead producer 0's (refused as stale): wait on
+            if time.monotonic() > deadline:
+                raise
+            who, facts = None, None
+        if who == producer0:
+            return list(facts)
+        if time.monotonic() > deadline:
+            raise CoordinatorTimeoutError(
+                f"producer 0 ({producer0}) published no facts within {timeout} s"
+            )
+        time.sleep(VIEW_CACHE_S)
 
 
 def wait_for_producers(member: Member, num_producers: int, timeout: float) -> list[MemberInfo]:

@@ -102,6 +102,9 @@ class WeightProducer(EngineBase):
         self._sync_bytes = 0
         self._exposures: Exposures | None = None
         self._read: ProducerRead | None = None
+        # admit(): producer 0 sends the producers' facts to a joining consumer (False: the
+        # consumer had them already, see WeightConsumer.prepare_join)
+        self.ship_facts = True
         self._path: ProducerPath
         if self._one_sided is not None:
             self._exposures = Exposures(self._one_sided)
@@ -183,7 +186,7 @@ class WeightProducer(EngineBase):
         crank = self.fleet.consumer_ranks[consumer_id]
         index = self.index
         assert index is not None, "admit() needs setup() first"
-        facts = self.producer_facts if self.producer_id == 0 else None
+        facts = self.producer_facts if self.producer_id == 0 and self.ship_facts else None
         self.coordinator.send_object(AdmitMessage(self.producer_id, self._syncs, facts), crank)
         plan_msg = self.coordinator.recv_object(crank)
         reserve_msg = self.coordinator.recv_object(crank)
