@@ -190,8 +190,15 @@ def run_case(
                 "others_syncs": len(times),
             }
         )
+    admitted = 0
+    phases: dict[str, float] = {}
+    if isinstance(producers, list):
+        admitted = sum(len(e["joined"]) for e in producers[0]["events"])
+        phases = {k: v for k, v in producers[0]["setup_phases"].items() if k.startswith("admit")}
     return {
         "rows": rows,
+        "admissions": admitted,
+        "admit_phases_s": phases,  # producer 0, summed over its admissions
         "bytes_verified": sum(o["bytes"] for o in verified if o.get("verified")),
         "all_verified": all(o.get("verified") for o in verified),
         "model_bytes": sum(torch.Size(s).numel() * d.itemsize for s, d in shapes.values()),
@@ -246,6 +253,9 @@ def main() -> None:
             print(
                 f"{name}: launches that ended in an error (the killed one is expected): {case['errors']}"
             )
+        if case["admit_phases_s"]:
+            steps = ", ".join(f"{k[7:]} {v:.2f} s" for k, v in case["admit_phases_s"].items())
+            print(f"{name}: producer 0 spent, over {case['admissions']} admissions: {steps}")
         # after every case: a later case that runs out of time loses only its own rows
         print_table(
             f"Elastic fleet, 2 producers, {args.device}, {args.comm} (recover: to ready / to dropped)",

@@ -242,6 +242,7 @@ class ElasticTransferTask(WeightTransferTask):
             "syncs": stats,
             "events": events,
             "setup_seconds": engine.setup_seconds,
+            "setup_phases": engine.setup_phases,  # admit's steps included, summed
         }
 
     def _consume(

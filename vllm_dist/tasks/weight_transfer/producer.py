@@ -186,16 +186,19 @@ class WeightProducer(EngineBase):
         crank = self.fleet.consumer_ranks[consumer_id]
         index = self.index
         assert index is not None, "admit() needs setup() first"
+        self._phase_start = time.perf_counter()  # admit's steps add up in setup_phases
         facts = self.producer_facts if self.producer_id == 0 and self.ship_facts else None
         self.coordinator.send_object(AdmitMessage(self.producer_id, self._syncs, facts), crank)
         plan_msg = self.coordinator.recv_object(crank)
         reserve_msg = self.coordinator.recv_object(crank)
+        self._phase("admit: wait for the plan")
         self._drop_pair(consumer_id)
         error: Exception | None = None
         try:
             self._accept(consumer_id, crank, index, plan_msg, reserve_msg)
         except Exception as exc:  # reported to the consumer, then raised here
             error = exc
+        self._phase("admit: check the plan")
         self.coordinator.send_object(
             None if error is None else f"{type(error).__name__}: {error}", crank
         )
@@ -215,6 +218,7 @@ class WeightProducer(EngineBase):
             desc = self._exposures.expose(pair.ring.buffer, name)
             pair.remote_name = name
             self.coordinator.send_object(desc, crank)
+        self._phase("admit: verdicts, ring")
 
     def _drop_pair(self, consumer_id: int) -> None:
         """Release what this producer holds for one consumer (its ring, sender, exposure)."""
