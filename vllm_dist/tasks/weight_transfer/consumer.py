@@ -155,8 +155,7 @@ class WeightConsumer(EngineBase):
         self._replayed = False
         self._exposures = None if self._one_sided is None else Exposures(self._one_sided)
         self._path: ConsumerPath | None = None  # chosen at set-up, once the tables are built
-        # prepare_join's index and outcome, used by the next join() whose admit carries no facts
-        self._prepared: tuple[ModelIndex, BaseException | None] | None = None
+        self._prepared: tuple[ModelIndex, Any] | None = None  # prepare_join's, for join()
 
     @gc_paused
     def setup(self, *, defer: bool = False) -> None:
@@ -197,10 +196,10 @@ class WeightConsumer(EngineBase):
     def join(self) -> None:
         """Join the fleet between syncs, while every producer calls ``admit(consumer_id)``.
 
-        For a consumer that deferred set-up or a restarted one (a new engine, e.g. after the
-        inference worker reloaded its model): the producers' facts come from producer 0, the
-        plan is checked like at set-up, and only this consumer and the producers take part.
-        Raises ``WeightTransferSetupError`` (or this rank's own error) when any side refused.
+        For a consumer that deferred set-up or a restarted one (a new engine): the producers'
+        facts come from producer 0 (or ``prepare_join``), the plan is checked as at set-up, and
+        only this consumer and the producers take part. Raises ``WeightTransferSetupError`` (or
+        this rank's own error) when any side refused.
         """
         start = self._phase_start = time.perf_counter()
         prods = self.fleet.producer_ranks
@@ -209,18 +208,12 @@ class WeightConsumer(EngineBase):
             if not (isinstance(msg, AdmitMessage) and msg.producer_id == p):
                 raise RuntimeError(f"expected admit() from producer {p}, got {msg!r:.80}")
         self._syncs = hello[0].syncs
-        facts, prepared, self._prepared = hello[0].facts, self._prepared, None
-        if facts is not None:
-            index = self._build_index(facts)
-            self._phase("index")
-            error = self._prepare(index)
-        elif prepared is not None:
-            index, error = prepared
-        else:
-            raise RuntimeError(
-                "admit() from producer 0 came without the producers' facts, and this consumer "
-                "prepared none (prepare_join)"
-            )
+        if hello[0].facts is not None:
+            self.prepare_join(hello[0].facts)
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            raise RuntimeError("admit() came without the producers' facts and none were prepared")
+        index, error = prepared
         self._send_plans(index, error)
         verdicts = [self.coordinator.recv_object(r) for r in prods]
         refused = [f"producer {p}: {v}" for p, v in enumerate(verdicts) if v is not None]
@@ -252,10 +245,9 @@ class WeightConsumer(EngineBase):
         self.setup_seconds = time.perf_counter() - start
 
     def prepare_join(self, facts: list[ProducerFacts]) -> None:
-        """Bake and plan against ``facts`` (the producers', obtained elsewhere) before
-        ``join()``, so that the producers in ``admit`` (which then send no facts) wait only
-        for the plan to travel and be checked, not for it to be made. The producers check the
-        plan as always: one made from facts that differ from theirs is refused."""
+        """Bake and plan against ``facts`` (the producers', got elsewhere) before ``join()``: the
+        producers' ``admit`` (sending no facts) then waits for the plan to travel and be checked,
+        not made. A plan made from facts that differ from theirs is refused as always."""
         self._phase_start = time.perf_counter()
         index = self._build_index(facts)
         self._phase("index")
@@ -432,19 +424,7 @@ class WeightConsumer(EngineBase):
         self._suffixes = shared_splits(self.requests, 1)
         self._direct = [self._direct_dest(c) for c in self.chunks]
         self._targets = [None] * len(self.chunks)
-        k = self.layout.ring_slots
-        # staging slot per chunk: READ, round robin over the chunks that may need staging (a
-        # direct chunk never does); push, the producer's one slot
-        staging: dict[int, int] = {}
-        self._stage_slot = []
-        for c, direct in zip(self.chunks, self._direct, strict=True):
-            if not read:
-                self._stage_slot.append(0)
-            elif direct is None:
-                self._stage_slot.append(staging.get(c.producer, 0) % k)
-                staging[c.producer] = staging.get(c.producer, 0) + 1
-            else:
-                self._stage_slot.append(-1)
+        self._stage_slot = stage_slots(self.chunks, self._direct, self.layout.ring_slots, read)
         if self._path is not None:
             self._path.close()
         if self._one_sided is not None:
@@ -631,3 +611,19 @@ def torn_error(
         held=held,
         target=target,
     )
+
+
+def stage_slots(chunks: list[Chunk], direct: list[Any], ring_slots: int, read: bool) -> list[int]:
+    """The staging slot of each chunk: READ, round robin over the producer's chunks that may
+    need staging (a direct chunk never does: -1); push, the producer's one slot (0)."""
+    if not read:
+        return [0] * len(chunks)
+    staging: dict[int, int] = {}
+    out = []
+    for c, dest in zip(chunks, direct, strict=True):
+        if dest is None:
+            out.append(staging.get(c.producer, 0) % ring_slots)
+            staging[c.producer] = staging.get(c.producer, 0) + 1
+        else:
+            out.append(-1)
+    return out
