@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from vllm_dist.interfaces import WorkerCoordinator
+from vllm_dist.interfaces import ReduceOp, WorkerCoordinator
 
 
 def default_device(
@@ -92,3 +92,35 @@ def check_out(
     check_same(ref, out, "tensor_out")
     if tuple(out.shape) != shape:
         raise ValueError(f"tensor_out has shape {tuple(out.shape)}, expected {shape}")
+
+
+class SendRecvOnly:
+    """The collectives of a communicator that only sends and receives (a group per peer):
+    each one refused, naming the class. Mixed in ahead of ``DeviceCommunicator``."""
+
+    def _unsupported(self, op: str) -> Exception:
+        return NotImplementedError(f"{type(self).__name__} has no {op}: it only sends and receives")
+
+    def all_reduce(
+        self,
+        tensor_in: torch.Tensor,
+        tensor_out: torch.Tensor | None = None,
+        op: ReduceOp = ReduceOp.SUM,
+    ) -> torch.Tensor:
+        raise self._unsupported("all_reduce")
+
+    def all_gather(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        raise self._unsupported("all_gather")
+
+    def reduce_scatter(
+        self,
+        tensor_in: torch.Tensor,
+        tensor_out: torch.Tensor | None = None,
+        op: ReduceOp = ReduceOp.SUM,
+    ) -> torch.Tensor:
+        raise self._unsupported("reduce_scatter")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        raise self._unsupported("broadcast")

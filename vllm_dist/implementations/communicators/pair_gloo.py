@@ -19,12 +19,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from vllm_dist.implementations.communicators.common import check_tensor
+from vllm_dist.implementations.communicators.common import SendRecvOnly, check_tensor
 from vllm_dist.implementations.communicators.torch_distributed import PendingTransfer
-from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoordinator
+from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 
 
-class PairGlooCommunicator(DeviceCommunicator):
+class PairGlooCommunicator(SendRecvOnly, DeviceCommunicator):
     """Point-to-point transfers with each peer over a gloo group of its own.
 
     Args:
@@ -132,34 +132,6 @@ class PairGlooCommunicator(DeviceCommunicator):
         check_tensor(tensor, self._device)
         group, peer = self._pair(src)
         return PendingTransfer(group.recv([tensor], peer, 0), f"recv from rank {src}")
-
-    # -- collectives: none (a fleet of pairs) ----------------------------------------------------
-    def _unsupported(self, op: str) -> Exception:
-        return NotImplementedError(f"PairGlooCommunicator has no {op}: it only sends and receives")
-
-    def all_reduce(
-        self,
-        tensor_in: torch.Tensor,
-        tensor_out: torch.Tensor | None = None,
-        op: ReduceOp = ReduceOp.SUM,
-    ) -> torch.Tensor:
-        raise self._unsupported("all_reduce")
-
-    def all_gather(
-        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        raise self._unsupported("all_gather")
-
-    def reduce_scatter(
-        self,
-        tensor_in: torch.Tensor,
-        tensor_out: torch.Tensor | None = None,
-        op: ReduceOp = ReduceOp.SUM,
-    ) -> torch.Tensor:
-        raise self._unsupported("reduce_scatter")
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        raise self._unsupported("broadcast")
 
     def close(self) -> None:
         self._groups.clear()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -357,11 +357,7 @@ class PyNcclCommunicator(DeviceCommunicator):
         return found if found is not None else nccl_dtype(dtype, self._lib.version)
 
     def _move_args(self, tensor: torch.Tensor) -> tuple[int, int]:
-        """(count, NCCL type) that move ``tensor``; bytes for a dtype NCCL does not know."""
-        found = self._dtypes.get(tensor.dtype)
-        if found is None:
-            return tensor.numel() * tensor.element_size(), NcclDataType.UINT8
-        return tensor.numel(), found
+        return move_args(self._dtypes, tensor)
 
     def _red_op(self, op: ReduceOp) -> int:
         found = self._ops.get(op)
@@ -374,6 +370,14 @@ class PyNcclCommunicator(DeviceCommunicator):
             raise ValueError(f"rank {peer!r} is outside this group of {self._world}")
         if peer == self._rank and not allow_self:
             raise ValueError(f"rank {peer} is this worker itself; send/recv need another rank")
+
+
+def move_args(dtypes: Mapping[torch.dtype, NcclDataType], tensor: torch.Tensor) -> tuple[int, int]:
+    """(count, NCCL type) that move ``tensor``; bytes for a dtype NCCL does not know."""
+    found = dtypes.get(tensor.dtype)
+    if found is None:
+        return tensor.numel() * tensor.element_size(), NcclDataType.UINT8
+    return tensor.numel(), found
 
 
 def _cuda_device(coordinator: WorkerCoordinator, device: torch.device | str | None) -> torch.device:

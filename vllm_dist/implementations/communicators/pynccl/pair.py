@@ -23,15 +23,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_dist.implementations.communicators.common import check_tensor
-from vllm_dist.implementations.communicators.pynccl.communicator import _cuda_device
+from vllm_dist.implementations.communicators.common import SendRecvOnly, check_tensor
+from vllm_dist.implementations.communicators.pynccl.communicator import _cuda_device, move_args
 from vllm_dist.implementations.communicators.pynccl.library import (
-    NcclDataType,
     NcclLibrary,
     load_nccl,
     torch_dtype_table,
 )
-from vllm_dist.interfaces import CommOp, DeviceCommunicator, ReduceOp, WorkerCoordinator
+from vllm_dist.interfaces import CommOp, DeviceCommunicator, WorkerCoordinator
 
 logger = logging.getLogger("vllm_dist")
 
@@ -39,7 +38,7 @@ ABORT_WAIT_S = 10.0  # how long close() waits for each pair's abort before going
 INIT_POLL_S = 0.2  # how often a pair's set-up asks the coordinator whether the peer left
 
 
-class PairNcclCommunicator(DeviceCommunicator):
+class PairNcclCommunicator(SendRecvOnly, DeviceCommunicator):
     """Point-to-point transfers on CUDA memory with each peer over a NCCL communicator of its own.
 
     Args:
@@ -179,53 +178,18 @@ class PairNcclCommunicator(DeviceCommunicator):
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         check_tensor(tensor, self._device)
         comm, peer = self._pair(dst)
-        count, dtype = self._move_args(tensor)
+        count, dtype = move_args(self._dtypes, tensor)
         self._lib.send(tensor.data_ptr(), count, dtype, peer, comm, self._stream())
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         check_tensor(tensor, self._device)
         comm, peer = self._pair(src)
-        count, dtype = self._move_args(tensor)
+        count, dtype = move_args(self._dtypes, tensor)
         self._lib.recv(tensor.data_ptr(), count, dtype, peer, comm, self._stream())
         return tensor
 
     def _stream(self) -> int:
         return int(torch.cuda.current_stream(self._device).cuda_stream)
-
-    def _move_args(self, tensor: torch.Tensor) -> tuple[int, int]:
-        """(count, NCCL type) that move ``tensor``; bytes for a dtype NCCL does not know."""
-        found = self._dtypes.get(tensor.dtype)
-        if found is None:
-            return tensor.numel() * tensor.element_size(), NcclDataType.UINT8
-        return tensor.numel(), found
-
-    # -- collectives: none (a fleet of pairs) ----------------------------------------------------
-    def _unsupported(self, op: str) -> Exception:
-        return NotImplementedError(f"PairNcclCommunicator has no {op}: it only sends and receives")
-
-    def all_reduce(
-        self,
-        tensor_in: torch.Tensor,
-        tensor_out: torch.Tensor | None = None,
-        op: ReduceOp = ReduceOp.SUM,
-    ) -> torch.Tensor:
-        raise self._unsupported("all_reduce")
-
-    def all_gather(
-        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        raise self._unsupported("all_gather")
-
-    def reduce_scatter(
-        self,
-        tensor_in: torch.Tensor,
-        tensor_out: torch.Tensor | None = None,
-        op: ReduceOp = ReduceOp.SUM,
-    ) -> torch.Tensor:
-        raise self._unsupported("reduce_scatter")
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        raise self._unsupported("broadcast")
 
     def close(self) -> None:
         """Abort every pair (each on a thread of its own) and wait, bounded, for the aborts."""
